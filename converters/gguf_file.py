@@ -1,0 +1,137 @@
+"""GGUF files (llama.cpp): metadata under `{arch}.*`, tensors `token_embd`, `blk.N.*`, `output_norm`, `output`.
+
+Every tensor type the `gguf` library dequantizes is accepted (F32, F16, BF16, Q8_0, Q4_0, Q4_1, K-quants,
+...). llama.cpp's converter already permuted q/k back to Meta's interleaved rotary layout, so they are
+used as they are. A `rope_freqs` tensor (Llama 3.1 rope scaling as llama.cpp stores it) becomes
+`ModelConfig.rope_freq_factors`. The tokenizer is rebuilt from the file's vocabulary
+(`jaxllama.text.gguf_vocab`), so the converted checkpoint needs nothing but itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from converters.layout import ConversionError
+from jaxllama.core.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+_LAYER_KEYS = {
+    "wq": "attn_q",
+    "wk": "attn_k",
+    "wv": "attn_v",
+    "wo": "attn_output",
+    "w1": "ffn_gate",
+    "w3": "ffn_up",
+    "w2": "ffn_down",
+    "attention_norm": "attn_norm",
+    "mlp_norm": "ffn_norm",
+}
+
+
+def is_gguf(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+class GGUFSource:
+    format = "gguf"
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as e:
+            raise ConversionError(f"{path}: cannot read as GGUF ({e})") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.config = self._config()
+
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def _config(self) -> ModelConfig:
+        arch = self.field("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConversionError(
+                f"{self.path}: unsupported architecture {arch!r} "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        try:
+            n_heads = int(self.field(f"{arch}.attention.head_count"))
+            dim = int(self.field(f"{arch}.embedding_length"))
+            vocab = self.field(f"{arch}.vocab_size") or len(self.field("tokenizer.ggml.tokens", []))
+            if not vocab:
+                vocab = self.tensors["token_embd.weight"].shape[-1]
+            factors = None
+            if "rope_freqs.weight" in self.tensors:
+                factors = tuple(self._dequantize("rope_freqs.weight").tolist())
+            kind = self.field(f"{arch}.rope.scaling.type", "none")
+            if kind not in ("none", None) and factors is None:
+                raise ConversionError(f"{self.path}: rope scaling type {kind!r} is not supported")
+            return ModelConfig(
+                vocab_size=int(vocab),
+                dim=dim,
+                n_layers=int(self.field(f"{arch}.block_count")),
+                n_heads=n_heads,
+                n_kv_heads=int(self.field(f"{arch}.attention.head_count_kv", n_heads)),
+                ffn_dim=int(self.field(f"{arch}.feed_forward_length")),
+                head_dim=self.field(f"{arch}.attention.key_length"),
+                norm_eps=float(self.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+                rope_theta=float(self.field(f"{arch}.rope.freq_base", 10000.0)),
+                rope_freq_factors=factors,
+                max_seq_len=int(self.field(f"{arch}.context_length", 4096)),
+                tie_embeddings="output.weight" not in self.tensors,
+                dtype="float32",
+            )
+        except TypeError:
+            raise ConversionError(f"{self.path}: required {arch}.* metadata is missing") from None
+        except ValueError as e:
+            raise ConversionError(f"{self.path}: {e}") from None
+
+    def _key(self, name: str) -> str:
+        if name == "embedding":
+            return "token_embd.weight"
+        if name == "norm":
+            return "output_norm.weight"
+        if name == "output":
+            return "output.weight"
+        layer, _, kind = name.partition("/")
+        return f"blk.{layer.removeprefix('layers_')}.{_LAYER_KEYS[kind]}.weight"
+
+    def locate(self, name: str) -> str:
+        return f"{self.path}: {self._key(name)}"
+
+    def _dequantize(self, key: str) -> np.ndarray:
+        t = self.tensors.get(key)
+        if t is None:
+            raise ConversionError(f"{self.path}: tensor {key!r} is missing")
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ConversionError(
+                f"{self.path}: tensor {key} has type {t.tensor_type.name}, "
+                f"which the gguf library cannot dequantize"
+            ) from None
+        # GGUF lists dimensions fastest-first; row-major numpy order is the reverse.
+        return np.asarray(w, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+
+    def read(self, name: str) -> np.ndarray:
+        return self._dequantize(self._key(name))
+
+    def extra_files(self) -> dict[str, str]:
+        from jaxllama.text.gguf_vocab import tokenizer_files_from_gguf
+
+        files = dict(tokenizer_files_from_gguf(self.reader))
+        eos = [self.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        generation = {
+            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": sorted({int(i) for i in eos if i is not None}),
+        }
+        files["generation_config.json"] = json.dumps(generation, indent=2) + "\n"
+        return files

@@ -1,0 +1,84 @@
+"""From the (out_features, in_features) matrices of Meta's reference code to jaxllama's parameter layout.
+
+All three source formats are brought to Meta's layout first (Hugging Face's rotary permutation undone;
+GGUF tensors already are), then `to_params` reshapes them onto the shapes declared in
+`jaxllama.core.model`. A source yields tensors under the canonical names below, one layer at a time.
+
+Canonical names: ``embedding``, ``norm``, ``output``, and per layer ``layers_{i}/{wq,wk,wv,wo,w1,w2,w3,
+attention_norm,mlp_norm}``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxllama.core.config import ModelConfig
+
+LAYER_TENSORS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "attention_norm", "mlp_norm")
+
+
+class ConversionError(Exception):
+    """A problem with the source checkpoint, in the user's terms (file and tensor)."""
+
+
+def to_params(name: str, w: np.ndarray, config: ModelConfig) -> tuple[str, np.ndarray]:
+    """A canonical tensor in Meta's (out, in) layout -> (jaxllama parameter name, array)."""
+    c = config
+    if name == "embedding":
+        return "embedding", w
+    if name == "norm":
+        return "norm/scale", w
+    if name == "output":
+        return "output", w.T
+    layer, _, kind = name.partition("/")
+    if kind == "wq":
+        return f"{layer}/attention/wq", w.T.reshape(c.dim, c.n_heads, c.head_dim)
+    if kind in ("wk", "wv"):
+        return f"{layer}/attention/{kind}", w.T.reshape(c.dim, c.n_kv_heads, c.head_dim)
+    if kind == "wo":
+        return f"{layer}/attention/wo", w.T.reshape(c.n_heads, c.head_dim, c.dim)
+    if kind in ("w1", "w2", "w3"):
+        return f"{layer}/mlp/{kind}", w.T
+    if kind in ("attention_norm", "mlp_norm"):
+        return f"{layer}/{kind}/scale", w
+    raise ValueError(f"unknown canonical tensor {name!r}")
+
+
+def expected_shape(name: str, config: ModelConfig) -> tuple[int, ...]:
+    """The Meta-layout (out, in) shape a source must provide for a canonical tensor."""
+    c = config
+    kind = name.partition("/")[2] if name.startswith("layers_") else name
+    return {
+        "embedding": (c.vocab_size, c.dim),
+        "norm": (c.dim,),
+        "output": (c.vocab_size, c.dim),
+        "wq": (c.n_heads * c.head_dim, c.dim),
+        "wk": (c.n_kv_heads * c.head_dim, c.dim),
+        "wv": (c.n_kv_heads * c.head_dim, c.dim),
+        "wo": (c.dim, c.n_heads * c.head_dim),
+        "w1": (c.ffn_dim, c.dim),
+        "w3": (c.ffn_dim, c.dim),
+        "w2": (c.dim, c.ffn_dim),
+        "attention_norm": (c.dim,),
+        "mlp_norm": (c.dim,),
+    }[kind]
+
+
+def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo Hugging Face's q/k permutation: HF's converter groups each head's rotary pairs as
+    (all first halves, all second halves); Meta's layout interleaves them (pair i = rows 2i, 2i+1)."""
+    out_features, in_features = w.shape
+    head_dim = out_features // n_heads
+    return (
+        w.reshape(n_heads, 2, head_dim // 2, in_features)
+        .transpose(0, 2, 1, 3)
+        .reshape(out_features, in_features)
+    )
+
+
+def canonical_names(config: ModelConfig) -> list[list[str]]:
+    """The tensors a source yields, grouped as it should yield them: embeddings, one group per layer, the end."""
+    groups = [["embedding"]]
+    groups += [[f"layers_{i}/{k}" for k in LAYER_TENSORS] for i in range(config.n_layers)]
+    groups.append(["norm"] + ([] if config.tie_embeddings else ["output"]))
+    return groups

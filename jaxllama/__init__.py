@@ -1,0 +1,32 @@
+"""jaxllama: run Llama-family models in JAX.
+
+Layers, each importing only from the ones above it in this list:
+
+- ``jaxllama.core``   config, model, parameter layout, sharding, checkpoints (jax, no text, no I/O but
+  checkpoint files);
+- ``jaxllama.text``   tokenizers, chat templates, end-of-generation ids, stop strings (plain Python, no jax);
+- ``jaxllama.engine`` KV cache, sampling, continuous batching (builds on core);
+- ``jaxllama.llm``, ``jaxllama.batch``, ``jaxllama.server``  user-facing APIs (engine + text);
+- ``jaxllama.cli``    the ``jaxllama`` command.
+
+Heavy imports (jax) happen lazily so that ``jaxllama.text`` stays importable without them.
+"""
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": ("jaxllama.llm", "LLM"),
+    "load_checkpoint": ("jaxllama.core.checkpoint", "load_checkpoint"),
+    "ModelConfig": ("jaxllama.core.config", "ModelConfig"),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'jaxllama' has no attribute {name!r}")

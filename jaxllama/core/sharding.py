@@ -1,0 +1,143 @@
+"""Device meshes and the one table that maps logical axes to mesh axes.
+
+Parameters (see `model.py`) and the KV cache name their dimensions with logical axes; `RULES` says which
+mesh axis each one is split over. `data` splits the batch, `model` is tensor parallelism: attention
+heads, MLP hidden units and the vocabulary. A dimension the `model` axis does not divide is replicated
+instead when that is safe (KV heads, the vocabulary), and refused with the constraint named when it is
+not (attention heads, MLP hidden units).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxllama.core.config import ModelConfig
+
+MESH_AXES = ("data", "model")
+
+# logical axis -> mesh axis (None: replicated)
+RULES: dict[str, str | None] = {
+    "batch": "data",
+    "vocab": "model",
+    "embed": None,
+    "heads": "model",
+    "kv_heads": "model",
+    "head_dim": None,
+    "mlp": "model",
+    "norm": None,
+    "cache_seq": None,
+}
+
+# Dimensions replicated (rather than refused) when the model axis does not divide them.
+_REPLICATE_IF_UNEVEN = ("kv_heads", "vocab")
+
+
+def parse_mesh(spec: str | dict | None) -> dict[str, int] | None:
+    """'data=2,model=4' (or a dict) -> {'data': 2, 'model': 4}; missing axes are 1."""
+    if spec is None or spec == "":
+        return None
+    if isinstance(spec, str):
+        sizes = {}
+        for part in spec.split(","):
+            name, sep, value = part.partition("=")
+            name = name.strip()
+            if not sep or name not in MESH_AXES or not value.strip().isdigit():
+                raise ValueError(f"--mesh {spec!r}: expected 'data=N,model=M'")
+            sizes[name] = int(value)
+    else:
+        sizes = dict(spec)
+    bad = set(sizes) - set(MESH_AXES)
+    if bad:
+        raise ValueError(f"mesh axes must be {MESH_AXES}, got {sorted(bad)}")
+    return {axis: int(sizes.get(axis, 1)) for axis in MESH_AXES}
+
+
+def axis_sizes(config: ModelConfig) -> dict[str, int]:
+    """The size of each logical axis the model shards."""
+    return {
+        "vocab": config.vocab_size,
+        "heads": config.n_heads,
+        "kv_heads": config.n_kv_heads,
+        "mlp": config.ffn_dim,
+    }
+
+
+def check_mesh(config: ModelConfig, sizes: dict[str, int]) -> None:
+    """Raise ValueError naming the constraint if the model cannot run on a mesh of these sizes."""
+    model = sizes["model"]
+    for name in ("heads", "mlp"):
+        n = axis_sizes(config)[name]
+        if n % model:
+            raise ValueError(
+                f"mesh model={model} does not divide the model's {name} ({n}); "
+                f"choose a model axis size that divides {n}"
+            )
+
+
+def make_mesh(
+    config: ModelConfig, spec: str | dict | None = None, devices: Sequence | None = None, param_bytes: int = 0
+) -> Mesh:
+    """A `data` x `model` mesh over `devices` (default: all of them, on every host).
+
+    Without a spec, the `model` axis is the smallest that lets each device hold its share of the
+    weights (`param_bytes`) in half its memory, and the rest of the devices go to `data`.
+    """
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = parse_mesh(spec)
+    if sizes is None:
+        model = _default_model_axis(config, devices, param_bytes)
+        sizes = {"data": len(devices) // model, "model": model}
+    if math.prod(sizes.values()) != len(devices):
+        raise ValueError(
+            f"mesh data={sizes['data']},model={sizes['model']} needs {math.prod(sizes.values())} devices, "
+            f"{len(devices)} are available"
+        )
+    check_mesh(config, sizes)
+    grid = np.array(devices, dtype=object).reshape(sizes["data"], sizes["model"])
+    return Mesh(grid, MESH_AXES)
+
+
+def _default_model_axis(config: ModelConfig, devices: Sequence, param_bytes: int) -> int:
+    stats = devices[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    for model in range(1, len(devices) + 1):
+        if len(devices) % model:
+            continue
+        try:
+            check_mesh(config, {"data": len(devices) // model, "model": model})
+        except ValueError:
+            continue
+        if not limit or param_bytes / model <= limit / 2:
+            return model
+    return 1
+
+
+def rules_for(config: ModelConfig, mesh: Mesh) -> dict[str, str | None]:
+    """`RULES`, with uneven dimensions that may be replicated replicated."""
+    rules = dict(RULES)
+    model = mesh.shape["model"]
+    for name in _REPLICATE_IF_UNEVEN:
+        if axis_sizes(config)[name] % model:
+            rules[name] = None
+    return rules
+
+
+def logical_to_spec(axes: Sequence[str | None], rules: dict[str, str | None]) -> PartitionSpec:
+    """Logical axis names -> PartitionSpec, each mesh axis used at most once."""
+    used, out = set(), []
+    for axis in axes:
+        mesh_axis = rules[axis] if axis is not None else None
+        if mesh_axis in used:
+            mesh_axis = None
+        used.add(mesh_axis)
+        out.append(mesh_axis)
+    return PartitionSpec(*out)
+
+
+def named_sharding(mesh: Mesh, config: ModelConfig, axes: Sequence[str | None]) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(axes, rules_for(config, mesh)))
