@@ -59,8 +59,7 @@ class GGUFSource:
         arch = self.field("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConversionError(
-                f"{self.path}: unsupported architecture {arch!r} "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"{self.path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         try:
             n_heads = int(self.field(f"{arch}.attention.head_count"))
@@ -115,8 +114,7 @@ class GGUFSource:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
             raise ConversionError(
-                f"{self.path}: tensor {key} has type {t.tensor_type.name}, "
-                f"which the gguf library cannot dequantize"
+                f"{self.path}: tensor {key} has type {t.tensor_type.name}, which the gguf library cannot dequantize"
             ) from None
         # GGUF lists dimensions fastest-first; row-major numpy order is the reverse.
         return np.asarray(w, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))

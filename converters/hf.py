@@ -46,9 +46,7 @@ def is_hf(path: Path) -> bool:
 def config_from_hf(cfg: dict, where: str) -> ModelConfig:
     """Map a Hugging Face config.json onto ModelConfig; unsupported models are refused by name."""
     archs = cfg.get("architectures") or []
-    if cfg.get("model_type") not in ("llama", "mistral") or (
-        archs and archs[0] not in SUPPORTED_ARCHITECTURES
-    ):
+    if cfg.get("model_type") not in ("llama", "mistral") or (archs and archs[0] not in SUPPORTED_ARCHITECTURES):
         raise ConversionError(
             f"{where}: unsupported architecture {archs[0] if archs else cfg.get('model_type')!r} "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"

@@ -69,11 +69,7 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     (all first halves, all second halves); Meta's layout interleaves them (pair i = rows 2i, 2i+1)."""
     out_features, in_features = w.shape
     head_dim = out_features // n_heads
-    return (
-        w.reshape(n_heads, 2, head_dim // 2, in_features)
-        .transpose(0, 2, 1, 3)
-        .reshape(out_features, in_features)
-    )
+    return w.reshape(n_heads, 2, head_dim // 2, in_features).transpose(0, 2, 1, 3).reshape(out_features, in_features)
 
 
 def canonical_names(config: ModelConfig) -> list[list[str]]:

@@ -58,10 +58,8 @@ def convert(
         raise ConversionError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     config = dataclasses.replace(source.config, dtype=dtype or _storage_dtype(source.config.dtype))
     groups = canonical_names(config)
-    bar = tqdm(
-        total=sum(map(len, groups)), unit="tensor", desc=f"converting {Path(src).name}", disable=not progress
-    )
-    with CheckpointWriter(out, config, overwrite=overwrite) as writer:
+    bar = tqdm(total=sum(map(len, groups)), unit="tensor", desc=f"converting {Path(src).name}", disable=not progress)
+    with bar, CheckpointWriter(out, config, overwrite=overwrite) as writer:
         for group in groups:
             tensors = {}
             for name in group:
@@ -82,7 +80,6 @@ def convert(
             else:
                 writer.write_file(name, content)
         writer.commit()
-    bar.close()
     return Path(out)
 
 

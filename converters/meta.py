@@ -83,9 +83,7 @@ class MetaSource:
         emb = [self._tensor(i, "tok_embeddings.weight").shape for i in range(len(self.shards))]
         # Split on the vocabulary (Llama 3) when each shard keeps the full width, else on the width.
         vocab = sum(s[0] for s in emb) if emb[0][1] == dim else emb[0][0]
-        ffn_dim = sum(
-            self._tensor(i, "layers.0.feed_forward.w1.weight").shape[0] for i in range(len(self.shards))
-        )
+        ffn_dim = sum(self._tensor(i, "layers.0.feed_forward.w1.weight").shape[0] for i in range(len(self.shards)))
         scaling = None
         if params.get("use_scaled_rope"):
             scaling = RopeScaling(

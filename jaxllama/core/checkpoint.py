@@ -56,9 +56,7 @@ def load_checkpoint(path: str | Path, mesh: Mesh | None = None, dtype=None) -> t
     """
     path = Path(path)
     if not is_checkpoint(path):
-        raise FileNotFoundError(
-            f"{path}: not a jaxllama checkpoint (expected {CONFIG_FILE} and {PARAMS_DIR}/)"
-        )
+        raise FileNotFoundError(f"{path}: not a jaxllama checkpoint (expected {CONFIG_FILE} and {PARAMS_DIR}/)")
     config = ModelConfig.load(path)
     dtype = jnp.dtype(dtype or runtime_dtype())
     stored = abstract_params(config, config.dtype, mesh)
@@ -89,9 +87,7 @@ class CheckpointWriter:
     def __init__(self, out_dir: str | Path, config: ModelConfig, overwrite: bool = False):
         self.out_dir = Path(out_dir)
         if self.out_dir.exists() and any(self.out_dir.iterdir()) and not overwrite:
-            raise FileExistsError(
-                f"{self.out_dir}: already exists and is not empty (pass --overwrite to replace)"
-            )
+            raise FileExistsError(f"{self.out_dir}: already exists and is not empty (pass --overwrite to replace)")
         self.config = config
         self.layout = param_layout(config)
         self.dtype = np.dtype(jnp.dtype(config.dtype))
@@ -134,9 +130,7 @@ class CheckpointWriter:
     def commit(self) -> Path:
         missing = sorted(set(self.layout) - self.written)
         if missing:
-            raise ValueError(
-                f"parameters never written: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
-            )
+            raise ValueError(f"parameters never written: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             _orbax().partial.finalize(self.tmp / PARAMS_DIR)

@@ -100,8 +100,6 @@ class ModelConfig:
         try:
             return cls.from_dict(json.loads(path.read_text()))
         except FileNotFoundError:
-            raise FileNotFoundError(
-                f"{path}: not found; is {directory} a converted jaxllama checkpoint?"
-            ) from None
+            raise FileNotFoundError(f"{path}: not found; is {directory} a converted jaxllama checkpoint?") from None
         except (ValueError, TypeError) as e:
             raise ValueError(f"{path}: {e}") from None

@@ -43,9 +43,7 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
         blended = (1 - smooth) * freqs / s.factor + smooth * freqs
         low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
         high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-        freqs = np.where(
-            wavelen < high_wavelen, freqs, np.where(wavelen > low_wavelen, freqs / s.factor, blended)
-        )
+        freqs = np.where(wavelen < high_wavelen, freqs, np.where(wavelen > low_wavelen, freqs / s.factor, blended))
     if config.rope_freq_factors is not None:
         freqs = freqs / np.asarray(config.rope_freq_factors, dtype=np.float64)
     return freqs.astype(np.float32)
@@ -87,12 +85,8 @@ class Attention(nn.Module):
         """x [b, t, dim], positions [b, t]; cache_k/v [b, s, kv_heads, head_dim] -> (out, cache_k, cache_v)."""
         c = self.config
         wq = _param(self, "wq", (c.dim, c.n_heads, c.head_dim), ("embed", "heads", "head_dim"), self.dtype)
-        wk = _param(
-            self, "wk", (c.dim, c.n_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), self.dtype
-        )
-        wv = _param(
-            self, "wv", (c.dim, c.n_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), self.dtype
-        )
+        wk = _param(self, "wk", (c.dim, c.n_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), self.dtype)
+        wv = _param(self, "wv", (c.dim, c.n_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), self.dtype)
         wo = _param(self, "wo", (c.n_heads, c.head_dim, c.dim), ("heads", "head_dim", "embed"), self.dtype)
         freqs = rope_frequencies(c)
         q = apply_rope(jnp.einsum("btd,dhk->bthk", x, wq), positions, freqs)

@@ -33,9 +33,7 @@ def param_layout(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[
     """Flat {'layers_0/attention/wq': (shape, logical_axes)} for every parameter."""
     boxed = _boxed_abstract(config, "float32")
     flat = jax.tree_util.tree_flatten_with_path(boxed, is_leaf=_is_boxed)[0]
-    return {
-        "/".join(k.key for k in path): (tuple(leaf.value.shape), tuple(leaf.names)) for path, leaf in flat
-    }
+    return {"/".join(k.key for k in path): (tuple(leaf.value.shape), tuple(leaf.names)) for path, leaf in flat}
 
 
 def logical_axes(config: ModelConfig):

@@ -1,0 +1,229 @@
+"""Tiny random Llama checkpoints in each source format, written by the formats' own libraries.
+
+Hugging Face folders come from transformers' `LlamaForCausalLM.save_pretrained`; GGUF files from
+`gguf.GGUFWriter` with q/k permuted the way llama.cpp's converter does; Meta folders from a state
+dict in Meta's names, optionally split into model-parallel shards the way fairscale splits them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiny:
+    vocab: int = 131
+    dim: int = 64
+    layers: int = 2
+    heads: int = 8
+    kv_heads: int = 2
+    ffn: int = 96
+    tied: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: bool = False  # llama3 scaling: factor 8, low 1, high 4, original context 8192
+    max_pos: int = 256
+
+    def hf_config(self):
+        from transformers import LlamaConfig
+
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            rope = {
+                "rope_type": "llama3",
+                "rope_theta": self.rope_theta,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            }
+        return LlamaConfig(
+            vocab_size=self.vocab,
+            hidden_size=self.dim,
+            intermediate_size=self.ffn,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            tie_word_embeddings=self.tied,
+            max_position_embeddings=self.max_pos,
+            rms_norm_eps=1e-5,
+            rope_parameters=rope,
+            initializer_range=0.1,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+
+
+def hf_model(tiny: Tiny, seed: int = 0):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny.hf_config()).float().eval()
+    with torch.no_grad():  # non-trivial norm weights
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def write_hf(tiny: Tiny, out: Path, seed: int = 0, max_shard_size: str | None = None):
+    model = hf_model(tiny, seed)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    return model
+
+
+def hf_state(model) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf `permute`: HF's q/k row order back to Meta's interleaved pairs."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def meta_state(tiny: Tiny, hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF state dict -> Meta's names and layout."""
+    out = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    if not tiny.tied:
+        out["output.weight"] = hf["lm_head.weight"]
+    names = {
+        "self_attn.q_proj": "attention.wq",
+        "self_attn.k_proj": "attention.wk",
+        "self_attn.v_proj": "attention.wv",
+        "self_attn.o_proj": "attention.wo",
+        "mlp.gate_proj": "feed_forward.w1",
+        "mlp.up_proj": "feed_forward.w3",
+        "mlp.down_proj": "feed_forward.w2",
+        "input_layernorm": "attention_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    for i in range(tiny.layers):
+        for hf_name, meta_name in names.items():
+            w = hf[f"model.layers.{i}.{hf_name}.weight"]
+            if hf_name == "self_attn.q_proj":
+                w = llamacpp_permute(w, tiny.heads)
+            elif hf_name == "self_attn.k_proj":
+                w = llamacpp_permute(w, tiny.kv_heads)
+            out[f"layers.{i}.{meta_name}.weight"] = w
+    return out
+
+
+_COLUMN = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3", "output")
+_ROW = ("attention.wo", "feed_forward.w2")
+
+
+def split_meta(state: dict[str, np.ndarray], n: int, embedding_axis: int) -> list[dict[str, np.ndarray]]:
+    """Split a Meta state dict into n model-parallel shards as fairscale's parallel layers hold them."""
+    shards = [{} for _ in range(n)]
+    for k, w in state.items():
+        if any(k.startswith(c) or f".{c}." in k for c in _COLUMN):
+            parts = np.split(w, n, axis=0)
+        elif any(f".{r}." in k for r in _ROW):
+            parts = np.split(w, n, axis=1)
+        elif k.startswith("tok_embeddings"):
+            parts = np.split(w, n, axis=embedding_axis)
+        else:
+            parts = [w] * n
+        for s, p in zip(shards, parts, strict=True):
+            s[k] = p
+    return shards
+
+
+def write_meta(
+    tiny: Tiny, state: dict[str, np.ndarray], out: Path, shards: int = 1, embedding_axis: int = 0, dtype=None
+):
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    params = {
+        "dim": tiny.dim,
+        "n_layers": tiny.layers,
+        "n_heads": tiny.heads,
+        "n_kv_heads": tiny.kv_heads,
+        "vocab_size": tiny.vocab,
+        "multiple_of": 16,
+        "norm_eps": 1e-5,
+        "rope_theta": tiny.rope_theta,
+        "use_scaled_rope": tiny.rope_scaling,
+    }
+    (out / "params.json").write_text(json.dumps(params))
+    for i, shard in enumerate(split_meta(state, shards, embedding_axis)):
+        tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in shard.items()}
+        if dtype is not None:
+            tensors = {k: v.to(dtype) for k, v in tensors.items()}
+        torch.save(tensors, out / f"consolidated.{i:02d}.pth")
+
+
+def write_gguf(tiny: Tiny, hf: dict[str, np.ndarray], path: Path, qtypes: dict[str, str] | None = None):
+    """A llama GGUF of the HF weights. qtypes: {substring of GGUF tensor name: GGML type name}."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(tiny.layers)
+    w.add_context_length(tiny.max_pos)
+    w.add_embedding_length(tiny.dim)
+    w.add_feed_forward_length(tiny.ffn)
+    w.add_head_count(tiny.heads)
+    w.add_head_count_kv(tiny.kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(tiny.rope_theta)
+    w.add_rope_dimension_count(tiny.dim // tiny.heads)
+    w.add_vocab_size(tiny.vocab)
+    w.add_file_type(0)
+    # A byte-level BPE vocabulary: 256 byte tokens, then merged pairs, then specials.
+    tokens = [bytes([b]).decode("latin-1") for b in range(256)][: tiny.vocab]
+    tokens += [f"<extra_{i}>" for i in range(tiny.vocab - len(tokens))]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    mapping = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    for i in range(tiny.layers):
+        for a, b in names.items():
+            mapping[f"model.layers.{i}.{a}.weight"] = f"blk.{i}.{b}.weight"
+    for hf_name, gguf_name in mapping.items():
+        if hf_name not in hf or (tiny.tied and hf_name == "lm_head.weight"):
+            continue
+        t = hf[hf_name].astype(np.float32)
+        if ".attn_q." in gguf_name:
+            t = llamacpp_permute(t, tiny.heads)
+        elif ".attn_k." in gguf_name:
+            t = llamacpp_permute(t, tiny.kv_heads)
+        qtype = next((q for key, q in (qtypes or {}).items() if key in gguf_name), "F32")
+        if t.ndim == 1:
+            qtype = "F32"
+        kind = gguf.GGMLQuantizationType[qtype]
+        if qtype == "F32":
+            w.add_tensor(gguf_name, t)
+        elif qtype == "F16":
+            w.add_tensor(gguf_name, t.astype(np.float16))
+        else:
+            w.add_tensor(gguf_name, gguf.quants.quantize(t, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
