@@ -1,0 +1,393 @@
+"""Continuous batching: a queue of requests, a fixed number of decode slots, and the loop that keeps them full.
+
+Each `step()` admits waiting requests into free slots (one `prefill` call per prompt-length bucket), then
+runs `decode_steps` decode steps for every slot and returns the new tokens of each request. A finished
+sequence frees its slot for the next request at once; nobody waits for the longest one.
+
+Multi-host: every process runs the same loop on the same requests in the same order; host inputs become
+global arrays and the small per-step outputs are replicated, so every process makes the same decisions.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import random
+import time
+from collections.abc import Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxllama.core.config import ModelConfig
+from jaxllama.core.sharding import named_sharding
+from jaxllama.engine import kvcache
+from jaxllama.engine.sampling import SamplerFlags, SamplingParams, SamplingRows
+from jaxllama.engine.step import DecodeState, decode, prefill
+
+MAX_STOP_IDS = 32
+MIN_PROMPT_BUCKET = 16
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request: prompt token ids and how to sample."""
+
+    id: object
+    prompt: list[int]
+    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+@dataclasses.dataclass
+class Timings:
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+    decode_ms: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    total_ms: float = 0.0
+
+
+@dataclasses.dataclass
+class Update:
+    """New tokens of one request from one engine step; `finish_reason` set on its last update."""
+
+    id: object
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    stop_token: int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    timings: Timings | None = None
+
+
+@dataclasses.dataclass
+class _Slot:
+    request: Request
+    length: int  # tokens in the cache after the last step (prompt + sampled - 1 pending input)
+    generated: int = 0
+    prefill_start: float = 0.0
+    first_token: float = 0.0
+
+
+@dataclasses.dataclass
+class EngineStats:
+    prefill_calls: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_calls: int = 0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    generated_tokens: int = 0
+    slot_steps: int = 0  # active slots summed over decode steps
+    compiles: int = 0
+    compile_s: float = 0.0
+    cache_resizes: int = 0
+
+    def occupancy(self, slots: int) -> float:
+        return self.slot_steps / max(1, self.decode_steps * slots)
+
+
+class Engine:
+    """Generates for many requests at once on a mesh. Not thread-safe: one thread drives `step()`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params,
+        mesh: Mesh,
+        *,
+        eos_ids: Iterable[int] = (),
+        max_slots: int = 32,
+        max_context: int | None = None,
+        decode_steps: int = 1,
+        min_cache: int = kvcache.MIN_BUCKET,
+    ):
+        self.config, self.params, self.mesh = config, params, mesh
+        self.eos_ids = tuple(sorted(set(int(i) for i in eos_ids)))
+        data = mesh.shape["data"]
+        self.slots = max(data, -(-max_slots // data) * data)  # a multiple of the data axis
+        self.max_context = min(max_context or config.max_seq_len, config.max_seq_len)
+        self.decode_steps = decode_steps
+        self.dtype = jax.tree.leaves(params)[0].dtype
+        self.stats = EngineStats()
+        self.queue: collections.deque[Request] = collections.deque()
+        self.active: dict[int, _Slot] = {}
+        self.cancelled: set[int] = set()
+        self._compiled: dict = {}
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._rows = named_sharding(mesh, config, ("batch",))
+        self.state = self._initial_state(kvcache.bucket(min_cache, self.max_context))
+
+    # ---- public API -------------------------------------------------------------------------------
+
+    def check(self, request: Request) -> None:
+        """Raise ValueError if the request can never run (the caller reports it for that request alone)."""
+        request.params.validate()
+        n = len(request.prompt)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        if n >= self.max_context:
+            raise ValueError(
+                f"prompt is {n} tokens, the context limit is {self.max_context} "
+                "(prompt plus at least one generated token)"
+            )
+        bad = [t for t in request.prompt if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if len(self.eos_ids) + len(request.params.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS - len(self.eos_ids)} extra stop token ids")
+
+    def add(self, request: Request) -> None:
+        self.check(request)
+        self.queue.append(request)
+
+    def cancel(self, request_id) -> None:
+        """Stop a request (queued or running); its slot is freed at the next step."""
+        for i, r in enumerate(self.queue):
+            if r.id == request_id:
+                del self.queue[i]
+                return
+        for slot, s in self.active.items():
+            if s.request.id == request_id:
+                self.cancelled.add(slot)
+
+    def has_work(self) -> bool:
+        return bool(self.queue or self.active)
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Update]:
+        """Run requests to completion, yielding updates as they come."""
+        for r in requests:
+            self.add(r)
+        while self.has_work():
+            yield from self.step()
+
+    def step(self) -> list[Update]:
+        updates = self._release_cancelled()
+        updates += self._admit()
+        if self.active:
+            updates += self._decode()
+        return updates
+
+    # ---- scheduling -------------------------------------------------------------------------------
+
+    def _release_cancelled(self) -> list[Update]:
+        out = []
+        for slot in sorted(self.cancelled):
+            if slot in self.active:
+                s = self.active.pop(slot)
+                out.append(self._finished(s, [], [], "cancelled", None))
+        self._keep = np.ones(self.slots, bool)
+        for slot in self.cancelled:
+            self._keep[slot] = False
+        self.cancelled.clear()
+        return out
+
+    def _admit(self) -> list[Update]:
+        free = [i for i in range(self.slots) if i not in self.active]
+        take = []
+        while self.queue and len(take) < len(free):
+            take.append(self.queue.popleft())
+        if not take:
+            return []
+        by_bucket = collections.defaultdict(list)
+        for r in take:
+            by_bucket[kvcache.bucket(len(r.prompt), self.max_context, MIN_PROMPT_BUCKET)].append(r)
+        updates = []
+        for length, group in sorted(by_bucket.items()):
+            slots = [free.pop(0) for _ in group]
+            updates += self._prefill(group, slots, length)
+        return updates
+
+    def _prefill(self, group: list[Request], slots: list[int], length: int) -> list[Update]:
+        self._ensure_cache(length)
+        n = _pow2(len(group))
+        n = -(-n // self.mesh.shape["data"]) * self.mesh.shape["data"]
+        prompts = np.zeros((n, length), np.int32)
+        lengths = np.ones(n, np.int32)
+        slot_ids = np.full(n, self.slots, np.int32)  # padding rows land nowhere
+        stop_ids = np.full((n, MAX_STOP_IDS), -1, np.int32)
+        params, seeds = [], []
+        for i, (r, slot) in enumerate(zip(group, slots, strict=True)):
+            prompts[i, : len(r.prompt)] = r.prompt
+            lengths[i], slot_ids[i] = len(r.prompt), slot
+            ids = sorted(set(self.eos_ids) | set(r.params.stop_token_ids))
+            stop_ids[i, : len(ids)] = ids
+            params.append(r.params)
+            seeds.append(r.params.seed if r.params.seed is not None else random.getrandbits(63))
+        params += [SamplingParams(temperature=0.0)] * (n - len(group))
+        seeds += [0] * (n - len(group))
+        rows = SamplingRows(**SamplingRows.from_params(params, seeds))
+        max_tokens = np.array([p.max_tokens for p in params], np.int32)
+        limits = np.full(n, self.max_context, np.int32)
+        flags = SamplerFlags.of(params)
+        args = (self.params, self.state, prompts, lengths, slot_ids, rows, max_tokens, limits, stop_ids)
+        start = time.perf_counter()
+        fn = self._compile("prefill", functools.partial(prefill, config=self.config, flags=flags), args, flags)
+        self.state, tokens, logprobs, still = fn(*args[:2], *self._put(args[2:]))
+        tokens, logprobs, still = jax.device_get((tokens, logprobs, still))
+        now = time.perf_counter()
+        self.stats.prefill_calls += 1
+        self.stats.prefill_tokens += int(lengths[: len(group)].sum())
+        self.stats.prefill_s += now - start
+        updates = []
+        for i, (r, slot) in enumerate(zip(group, slots, strict=True)):
+            s = _Slot(r, length=len(r.prompt), generated=1, prefill_start=start, first_token=now)
+            tok, lp = int(tokens[i]), float(logprobs[i])
+            if still[i]:
+                self.active[slot] = s
+                updates.append(Update(r.id, [tok], [lp], prompt_tokens=len(r.prompt)))
+            else:
+                updates.append(self._finished(s, [tok], [lp], *self._reason(s, tok)))
+        return updates
+
+    def _decode(self) -> list[Update]:
+        n_steps = self.decode_steps
+        self._ensure_cache(max(s.length + s.generated for s in self.active.values()) + n_steps)
+        flags = SamplerFlags()
+        for s in self.active.values():
+            flags = flags | SamplerFlags.of([s.request.params])
+        args = (self.params, self.state, self._keep)
+        start = time.perf_counter()
+        fn = self._compile(
+            "decode",
+            functools.partial(decode, config=self.config, n_steps=n_steps, flags=flags),
+            args,
+            (flags, n_steps),
+        )
+        self.state, tokens, logprobs, emitted = fn(self.params, self.state, *self._put((self._keep,)))
+        tokens, logprobs, emitted = jax.device_get((tokens, logprobs, emitted))
+        self.stats.decode_s += time.perf_counter() - start
+        self.stats.decode_calls += 1
+        self.stats.decode_steps += n_steps
+        self.stats.slot_steps += int(emitted.sum())
+        self._keep = np.ones(self.slots, bool)
+        updates = []
+        for slot in sorted(self.active):
+            s = self.active[slot]
+            steps = np.flatnonzero(emitted[:, slot])
+            toks = [int(t) for t in tokens[steps, slot]]
+            lps = [float(x) for x in logprobs[steps, slot]]
+            s.generated += len(toks)
+            self.stats.generated_tokens += len(toks)
+            reason, stop_token = self._reason(s, toks[-1] if toks else None)
+            if reason is None:
+                updates.append(Update(s.request.id, toks, lps))
+            else:
+                del self.active[slot]
+                updates.append(self._finished(s, toks, lps, reason, stop_token))
+        return updates
+
+    def _reason(self, s: _Slot, last: int | None) -> tuple[str | None, int | None]:
+        """Mirror of the device's end-of-generation test, to tell why a slot stopped."""
+        if last is not None and (last in self.eos_ids or last in s.request.params.stop_token_ids):
+            return "stop", last
+        if s.generated >= s.request.params.max_tokens or s.length + s.generated >= self.max_context:
+            return "length", None
+        return None, None
+
+    def _finished(self, s: _Slot, toks, lps, reason, stop_token) -> Update:
+        now = time.perf_counter()
+        r = s.request
+        decode_s = now - s.first_token if s.first_token else 0.0
+        timings = Timings(
+            queue_ms=1e3 * max(0.0, s.prefill_start - r.submitted),
+            prefill_ms=1e3 * (s.first_token - s.prefill_start),
+            ttft_ms=1e3 * (s.first_token - r.submitted),
+            decode_ms=1e3 * decode_s,
+            decode_tokens_per_s=(s.generated - 1) / decode_s if decode_s > 0 and s.generated > 1 else 0.0,
+            total_ms=1e3 * (now - r.submitted),
+        )
+        return Update(
+            r.id,
+            toks,
+            lps,
+            reason,
+            stop_token,
+            prompt_tokens=len(r.prompt),
+            completion_tokens=s.generated,
+            timings=timings,
+        )
+
+    # ---- device state -----------------------------------------------------------------------------
+
+    def _initial_state(self, length: int) -> DecodeState:
+        s, v = self.slots, self.config.vocab_size
+        cache = kvcache.allocate(self.config, self.mesh, s, length, self.dtype)
+        host = dict(
+            tokens=np.zeros(s, np.int32),
+            positions=np.zeros(s, np.int32),
+            active=np.zeros(s, bool),
+            remaining=np.zeros(s, np.int32),
+            limit=np.full(s, self.max_context, np.int32),
+            step=np.zeros(s, np.int32),
+            stop_ids=np.full((s, MAX_STOP_IDS), -1, np.int32),
+        )
+        rows = SamplingRows(**SamplingRows.from_params([SamplingParams(temperature=0.0)] * s, [0] * s))
+        zeros = jax.jit(
+            lambda: (jnp.zeros((s, v), jnp.int32), jnp.zeros((s, v), bool)), out_shardings=(self._rows,) * 2
+        )
+        counts, seen = zeros()
+        return DecodeState(
+            cache=cache,
+            rows=jax.tree.map(lambda x: self._put_rows(x), rows),
+            counts=counts,
+            seen=seen,
+            **{k: self._put_rows(x) for k, x in host.items()},
+        )
+
+    def _ensure_cache(self, needed: int) -> None:
+        """Grow the cache to hold `needed` positions, or shrink it when far more than needed."""
+        current = self.state.cache[0][0].shape[1]
+        target = kvcache.bucket(needed, self.max_context)
+        if target > current or target <= current // 4:
+            start = time.perf_counter()
+            sharding = kvcache.cache_sharding(self.config, self.mesh)
+            resize = jax.jit(
+                kvcache.resize,
+                static_argnums=1,
+                donate_argnums=0,
+                out_shardings=[(sharding, sharding)] * self.config.n_layers,
+            )
+            self.state = dataclasses.replace(self.state, cache=resize(self.state.cache, target))
+            self.stats.cache_resizes += 1
+            self.stats.decode_s += time.perf_counter() - start
+
+    def _put_rows(self, x):
+        x = np.asarray(x)
+        spec = PartitionSpec("data", *([None] * (x.ndim - 1)))
+        return _global(x, NamedSharding(self.mesh, spec))
+
+    def _put(self, xs):
+        return jax.tree.map(lambda x: _global(np.asarray(x), self._replicated), xs)
+
+    def _compile(self, kind, fn, args, static_key):
+        """Ahead-of-time compile per (kind, shapes, static switches); time it for the statistics."""
+        shapes = jax.tree.map(
+            lambda x: (np.shape(x), str(np.asarray(x).dtype) if isinstance(x, np.ndarray) else str(x.dtype)), args[1:]
+        )
+        key = (kind, str(shapes), static_key)
+        if key not in self._compiled:
+            start = time.perf_counter()
+            state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
+            n_out = 3
+            jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(state_shardings,) + (self._replicated,) * n_out)
+            placed = (args[0], args[1], *self._put(args[2:]))
+            self._compiled[key] = jitted.lower(*placed).compile()
+            self.stats.compiles += 1
+            self.stats.compile_s += time.perf_counter() - start
+        return self._compiled[key]
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _global(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array (the same on every process) as a global array with this sharding."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])

@@ -1,0 +1,53 @@
+"""Process-level set-up: multi-host initialization and the persistent compilation cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+
+
+def cache_dir() -> Path:
+    """The user's cache folder for jaxllama ($JAXLLAMA_CACHE, else $XDG_CACHE_HOME/jaxllama, else ~/.cache/jaxllama)."""
+    if os.environ.get("JAXLLAMA_CACHE"):
+        return Path(os.environ["JAXLLAMA_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "jaxllama"
+
+
+def enable_compilation_cache(path: str | Path | None = None) -> Path:
+    """Keep compiled XLA programs on disk, so that running a job again does not compile again."""
+    path = Path(path) if path else cache_dir() / "xla"
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def initialize_distributed(
+    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> None:
+    """Join a multi-host run through `jax.distributed` (JAX's own multi-controller runtime).
+
+    Arguments fall back to JAX's usual environment variables (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+    JAX_PROCESS_ID); with none of them set this is a single-process run and nothing happens. On CPU the
+    processes exchange data over gloo.
+    """
+    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if num_processes is None and os.environ.get("JAX_NUM_PROCESSES"):
+        num_processes = int(os.environ["JAX_NUM_PROCESSES"])
+    if process_id is None and os.environ.get("JAX_PROCESS_ID"):
+        process_id = int(os.environ["JAX_PROCESS_ID"])
+    if coordinator is None and not num_processes:
+        return
+    if coordinator is None or num_processes is None or process_id is None:
+        raise ValueError("a multi-host run needs --coordinator HOST:PORT, --num-processes N and --process-id I")
+    if jax.config.jax_platforms in (None, "", "cpu") or jax.config.jax_platforms.startswith("cpu"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def is_main_process() -> bool:
+    return jax.process_index() == 0

@@ -1,0 +1,183 @@
+"""Per-request sampling parameters, and the batched on-device sampler that applies them row by row.
+
+Every row of a batch carries its own parameters, so greedy, temperature, top-k/top-p/min-p and penalty
+requests share one decode step. Randomness comes from each request's own key, folded with the index of
+the token being drawn: the same seed gives the same tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0  # HF/CTRL style, on prompt and generated tokens
+    presence_penalty: float = 0.0  # OpenAI style, on generated tokens
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()  # extra end-of-generation ids for this request
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field when a parameter is out of range."""
+        checks = [
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens > 0, "must be a positive integer"),
+            ("temperature", _finite(self.temperature) and self.temperature >= 0, "must be >= 0"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be an integer >= 0"),
+            ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("min_p", _finite(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("seed", self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), "must be an integer >= 0"),
+            ("repetition_penalty", _finite(self.repetition_penalty) and self.repetition_penalty > 0, "must be > 0"),
+            (
+                "presence_penalty",
+                _finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+                "must be in [-2, 2]",
+            ),
+            (
+                "frequency_penalty",
+                _finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+                "must be in [-2, 2]",
+            ),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def filtered(self) -> bool:
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingRows:
+    """SamplingParams of every row, as arrays [rows] (the device-side form)."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    repetition_penalty: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    key: jax.Array  # [rows, 2] uint32 raw PRNG key data
+
+    @staticmethod
+    def from_params(params: list[SamplingParams], seeds: list[int]) -> dict:
+        """Host-side numpy arrays for these requests (seeds already resolved)."""
+        import numpy as np
+
+        def col(name, dtype):
+            return np.array([getattr(p, name) for p in params], dtype)
+
+        return dict(
+            temperature=col("temperature", np.float32),
+            top_k=col("top_k", np.int32),
+            top_p=col("top_p", np.float32),
+            min_p=col("min_p", np.float32),
+            repetition_penalty=col("repetition_penalty", np.float32),
+            presence_penalty=col("presence_penalty", np.float32),
+            frequency_penalty=col("frequency_penalty", np.float32),
+            key=np.stack([np.array([s >> 32 & 0xFFFFFFFF, s & 0xFFFFFFFF], np.uint32) for s in seeds])
+            if seeds
+            else np.zeros((0, 2), np.uint32),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerFlags:
+    """Static switches: the sampler compiles only the work some row in the batch needs."""
+
+    sample: bool = False  # some row has temperature > 0
+    filter: bool = False  # some row uses top_k or top_p (needs a sort over the vocabulary)
+    penalize: bool = False  # some row uses a penalty
+
+    @staticmethod
+    def of(params) -> SamplerFlags:
+        params = list(params)
+        return SamplerFlags(
+            sample=any(not p.greedy for p in params),
+            filter=any(p.filtered for p in params),
+            penalize=any(p.penalized for p in params),
+        )
+
+    def __or__(self, other: SamplerFlags) -> SamplerFlags:
+        return SamplerFlags(self.sample or other.sample, self.filter or other.filter, self.penalize or other.penalize)
+
+
+def apply_penalties(logits, rows: SamplingRows, counts, seen):
+    """logits [b, v]; counts [b, v] generated-token counts; seen [b, v] prompt or generated tokens."""
+    rp = rows.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+    counts = counts.astype(jnp.float32)
+    return logits - rows.presence_penalty[:, None] * (counts > 0) - rows.frequency_penalty[:, None] * counts
+
+
+def filter_logits(logits, rows: SamplingRows, flags: SamplerFlags):
+    """Temperature-scaled logits [b, v] with tokens outside top_k / top_p / min_p set to -inf."""
+    neg = jnp.finfo(jnp.float32).min
+    if flags.filter:
+        order = jnp.argsort(-logits, axis=-1)
+        ranked = jnp.take_along_axis(logits, order, axis=-1)  # descending
+        probs = jax.nn.softmax(ranked, axis=-1)
+        rank = jnp.arange(logits.shape[-1])[None, :]
+        keep = (rows.top_k[:, None] <= 0) | (rank < rows.top_k[:, None])
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above
+        keep &= (before < rows.top_p[:, None]) | (rank == 0)
+        ranked = jnp.where(keep, ranked, neg)
+        logits = jnp.full_like(logits, neg).at[jnp.arange(logits.shape[0])[:, None], order].set(ranked)
+    probs = jax.nn.softmax(logits, axis=-1)
+    min_keep = rows.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    return jnp.where(probs >= min_keep, logits, neg)
+
+
+def sample(logits, rows: SamplingRows, step, flags: SamplerFlags, counts=None, seen=None):
+    """Draw one token per row. logits [b, v] float32; step [b]: index of the token being drawn.
+
+    Returns (tokens [b] int32, logprobs [b] float32: log-probability of each token under the model's
+    distribution after penalties and temperature, before top-k/top-p/min-p truncation).
+    """
+    if flags.penalize:
+        logits = apply_penalties(logits, rows, counts, seen)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not flags.sample:
+        return greedy, _logprob_of(logits, greedy)
+    temperature = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
+    scaled = logits / temperature
+    kept = filter_logits(scaled, rows, flags)
+    keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.wrap_key_data(k), s))(rows.key, step)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
+    drawn = jnp.argmax(kept + gumbel, axis=-1).astype(jnp.int32)
+    tokens = jnp.where(rows.temperature > 0, drawn, greedy)
+    return tokens, jnp.where(rows.temperature > 0, _logprob_of(scaled, tokens), _logprob_of(logits, tokens))
+
+
+def _logprob_of(logits, tokens):
+    return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]

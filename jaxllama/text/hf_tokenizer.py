@@ -1,0 +1,115 @@
+"""Backend for HF `tokenizers` files: tokenizer.json plus tokenizer_config.json.
+
+BOS/EOS text and whether BOS is added come from tokenizer_config.json (`bos_token`, `eos_token`,
+`add_bos_token`), then special_tokens_map.json, then the post-processor's template in tokenizer.json.
+The post-processor itself is never run: `encode` adds BOS only when asked.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from jaxllama.text.tokenizer import Tokenizer
+
+CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+class HFTokenizer(Tokenizer):
+    """A tokenizer.json tokenizer.
+
+    Args:
+        files: file name -> text, with "tokenizer.json" and optionally "tokenizer_config.json" and
+            "special_tokens_map.json" (the shape `tokenizer_files_from_gguf` returns).
+    """
+
+    def __init__(self, files: dict[str, str]):
+        self._json = files["tokenizer.json"]
+        self._tokenizer = tokenizers.Tokenizer.from_str(self._json)
+        added = self._tokenizer.get_added_tokens_decoder()
+        self.special_tokens = {token.content: i for i, token in sorted(added.items()) if token.special}
+        self.vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+
+        config = _merged_config(files)
+        template_bos, template_eos = self._template_bos_eos()
+        self.bos_token = _token_text(config.get("bos_token")) or template_bos
+        self.eos_token = _token_text(config.get("eos_token")) or template_eos
+        self.bos_id = self.token_to_id(self.bos_token) if self.bos_token is not None else None
+        self.eos_id = self.token_to_id(self.eos_token) if self.eos_token is not None else None
+        add_bos = config.get("add_bos_token")
+        self.add_bos = bool(add_bos) if add_bos is not None else template_bos is not None
+
+    @classmethod
+    def from_folder(cls, folder: str | os.PathLike) -> HFTokenizer:
+        """Load tokenizer.json and whichever config files exist in `folder`."""
+        folder = Path(folder)
+        names = ("tokenizer.json", *CONFIG_FILES)
+        return cls({name: (folder / name).read_text(encoding="utf-8") for name in names if (folder / name).is_file()})
+
+    def _encode(self, text: str, *, allow_special: bool) -> list[int]:
+        tokenizer = self._tokenizer if allow_special else self._special_as_text
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str:
+        token = self._tokenizer.id_to_token(i)
+        if token is None:
+            raise KeyError(f"token id {i} is not in the vocabulary")
+        return token
+
+    @functools.cached_property
+    def _special_as_text(self) -> tokenizers.Tokenizer:
+        """A copy that encodes special-token text as ordinary text."""
+        tokenizer = tokenizers.Tokenizer.from_str(self._json)
+        tokenizer.encode_special_tokens = True
+        return tokenizer
+
+    def _template_bos_eos(self) -> tuple[str | None, str | None]:
+        """The special tokens the post-processor's single-sequence template puts first / last."""
+        template = _find_template(json.loads(self._json).get("post_processor"))
+        if template is None:
+            return None, None
+        single = template["single"]
+        first = single[0].get("SpecialToken", {}).get("id") if single else None
+        last = single[-1].get("SpecialToken", {}).get("id") if single else None
+        return first, last
+
+
+def _merged_config(files: dict[str, str]) -> dict[str, Any]:
+    """tokenizer_config.json entries over special_tokens_map.json entries."""
+    config: dict[str, Any] = {}
+    for name in reversed(CONFIG_FILES):
+        if name in files:
+            config.update({k: v for k, v in json.loads(files[name]).items() if v is not None})
+    return config
+
+
+def _token_text(value: str | dict | None) -> str | None:
+    """A token given as a string or as an AddedToken dict {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _find_template(processor: dict | None) -> dict | None:
+    """The TemplateProcessing entry of a post-processor, possibly nested in a Sequence."""
+    if processor is None:
+        return None
+    if processor.get("type") == "TemplateProcessing":
+        return processor
+    for inner in processor.get("processors", []):
+        found = _find_template(inner)
+        if found is not None:
+            return found
+    return None

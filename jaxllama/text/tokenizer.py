@@ -1,0 +1,111 @@
+"""The tokenizer interface and `load_tokenizer`, which picks a backend from the files it finds.
+
+Backends: HF `tokenizers` (tokenizer.json), sentencepiece (tokenizer.model protobuf), Meta's Llama 3
+tiktoken vocabulary (tokenizer.model as "base64token rank" lines), and GGUF files (their vocabulary is
+turned into tokenizer.json text and loaded with the HF backend).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from jaxllama.text.incremental import IncrementalDecoder
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+class Tokenizer(abc.ABC):
+    """Text <-> token ids for one model.
+
+    Attributes (set by each backend):
+        vocab_size: number of ids, i.e. one more than the largest id (specials included).
+        bos_id, eos_id: the tokenizer's own begin/end-of-text ids, or None.
+        bos_token, eos_token: their text (what a chat template writes), or None.
+        special_tokens: text -> id of every special/control token.
+        add_bos: whether this model's tokenizer prepends BOS by default.
+    """
+
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+    bos_token: str | None
+    eos_token: str | None
+    special_tokens: dict[str, int]
+    add_bos: bool
+
+    def encode(self, text: str, *, add_bos: bool = False, allow_special: bool = True) -> list[int]:
+        """Token ids of `text`, with exactly one BOS id in front if `add_bos` (never otherwise).
+
+        allow_special: special-token text in `text` (e.g. "<|eot_id|>") becomes its id; with False it
+        is encoded as plain text.
+        """
+        ids = self._encode(text, allow_special=allow_special)
+        if not add_bos:
+            return ids
+        if self.bos_id is None:
+            raise ValueError("add_bos=True, but this tokenizer has no BOS token")
+        return [self.bos_id, *ids]
+
+    @abc.abstractmethod
+    def _encode(self, text: str, *, allow_special: bool) -> list[int]:
+        """Token ids of `text`, adding nothing."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+        """The text of `ids`; special tokens appear as their text unless `skip_special`.
+
+        Bytes that do not form valid UTF-8 decode to U+FFFD.
+        """
+
+    @abc.abstractmethod
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a special or ordinary token, spelled as in the vocabulary; None if unknown."""
+
+    @abc.abstractmethod
+    def id_to_token(self, i: int) -> str:
+        """The vocabulary's spelling of token `i` (e.g. "Ġhello", "▁hello", "<|eot_id|>").
+
+        Raises KeyError for an id outside the vocabulary.
+        """
+
+    def incremental_decoder(self, *, skip_special: bool = False) -> IncrementalDecoder:
+        """A streaming decoder: push ids one at a time, get text pieces that join to `decode(ids)`."""
+        return IncrementalDecoder(self, skip_special=skip_special)
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer stored at `path`: a folder with tokenizer files, or a .gguf file.
+
+    In a folder, tokenizer.json (with tokenizer_config.json) is preferred; otherwise tokenizer.model,
+    which is either a sentencepiece model or Meta's Llama 3 tiktoken vocabulary.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no tokenizer at {path}: it does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"cannot load a tokenizer from file {path}: expected a folder or a .gguf file")
+        import gguf
+
+        from jaxllama.text.gguf_vocab import tokenizer_files_from_gguf
+        from jaxllama.text.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(tokenizer_files_from_gguf(gguf.GGUFReader(path)))
+
+    if (path / "tokenizer.json").is_file():
+        from jaxllama.text.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer.from_folder(path)
+    model_file = path / "tokenizer.model"
+    if model_file.is_file():
+        from jaxllama.text.tiktoken_tokenizer import Llama3Tokenizer, is_tiktoken_bpe_file
+
+        if is_tiktoken_bpe_file(model_file):
+            return Llama3Tokenizer(model_file)
+        from jaxllama.text.sentencepiece_tokenizer import SentencePieceTokenizer
+
+        return SentencePieceTokenizer(model_file)
+    raise ValueError(f"no tokenizer in folder {path}: looked for {' or '.join(TOKENIZER_FILES)}")

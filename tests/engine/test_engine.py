@@ -1,0 +1,153 @@
+"""The engine against the plain forward pass: greedy tokens equal re-running the whole sequence each token."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllama.core.model import sequence_logits
+from jaxllama.core.sharding import make_mesh
+from jaxllama.engine.engine import Engine, Request
+from jaxllama.engine.sampling import SamplingParams
+from tests.engine.conftest import random_prompts
+
+EOS = 2
+
+
+def reference_greedy(config, params, prompt, max_tokens, eos=(EOS,), limit=None):
+    """Token by token with the full-sequence forward: the oracle for greedy decoding."""
+    forward = jax.jit(sequence_logits, static_argnums=1)
+    seq, out = list(prompt), []
+    limit = limit or config.max_seq_len
+    while len(out) < max_tokens and len(seq) < limit:
+        token = int(np.argmax(np.asarray(forward(params, config, jnp.array([seq])))[0, -1]))
+        out.append(token)
+        seq.append(token)
+        if token in eos:
+            break
+    return out
+
+
+def run(engine, requests):
+    tokens, finals = {}, {}
+    for u in engine.generate(requests):
+        tokens.setdefault(u.id, []).extend(u.tokens)
+        if u.finish_reason:
+            finals[u.id] = u
+    return tokens, finals
+
+
+def greedy_requests(n=10, seed=0):
+    rng = np.random.default_rng(seed + 1)
+    return [
+        Request(i, p, SamplingParams(max_tokens=int(rng.integers(1, 30)), temperature=0.0))
+        for i, p in enumerate(random_prompts(n, seed))
+    ]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny):
+    config, params = tiny
+    return {r.id: reference_greedy(config, params, r.prompt, r.params.max_tokens) for r in greedy_requests()}
+
+
+def test_greedy_matches_full_forward_with_refilled_slots(tiny, expected):
+    config, params = tiny
+    mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
+    engine = Engine(config, params, mesh, eos_ids=[EOS], max_slots=4)  # 10 requests through 4 slots
+    tokens, finals = run(engine, greedy_requests())
+    assert tokens == expected
+    for r in greedy_requests():
+        u = finals[r.id]
+        assert u.completion_tokens == len(expected[r.id]) and u.prompt_tokens == len(r.prompt)
+        if expected[r.id][-1] == EOS:
+            assert (u.finish_reason, u.stop_token) == ("stop", EOS)
+        else:
+            assert u.finish_reason == "length" and len(expected[r.id]) == r.params.max_tokens
+    assert engine.stats.prefill_calls >= 3 and engine.stats.occupancy(engine.slots) > 0.3
+
+
+@pytest.mark.parametrize("spec", ["data=1,model=2", "data=2,model=2", "data=1,model=4", "data=2,model=4"])
+def test_same_tokens_on_every_mesh(tiny, expected, spec):
+    """2 KV heads on a model axis of 4: KV heads replicated, query heads split."""
+    config, params = tiny
+    d, m = (int(part.split("=")[1]) for part in spec.split(","))
+    mesh = make_mesh(config, spec, jax.devices()[: d * m])
+    from jaxllama.core.params import param_shardings
+
+    sharded = jax.device_put(params, param_shardings(config, mesh))
+    engine = Engine(config, sharded, mesh, eos_ids=[EOS], max_slots=4, decode_steps=3)
+    tokens, _ = run(engine, greedy_requests())
+    assert tokens == expected
+
+
+def test_context_limit_ends_with_length(tiny):
+    config, params = tiny
+    mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
+    engine = Engine(config, params, mesh, eos_ids=[], max_slots=2, max_context=48)
+    prompt = random_prompts(1, seed=5, max_len=40)[0][:40]
+    tokens, finals = run(engine, [Request("r", prompt, SamplingParams(max_tokens=100, temperature=0.0))])
+    assert finals["r"].finish_reason == "length"
+    assert len(prompt) + len(tokens["r"]) == 48
+    assert tokens["r"] == reference_greedy(config, params, prompt, 100, eos=(), limit=48)
+
+
+def test_extra_stop_token_ids(tiny, expected):
+    config, params = tiny
+    mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
+    r = next(r for r in greedy_requests() if len(expected[r.id]) >= 4 and EOS not in expected[r.id])
+    stop = expected[r.id][2]
+    engine = Engine(config, params, mesh, eos_ids=[EOS], max_slots=2)
+    req = Request(
+        "x", r.prompt, SamplingParams(max_tokens=r.params.max_tokens, temperature=0.0, stop_token_ids=(stop,))
+    )
+    tokens, finals = run(engine, [req])
+    first = expected[r.id].index(stop)
+    assert tokens["x"] == expected[r.id][: first + 1]
+    assert (finals["x"].finish_reason, finals["x"].stop_token) == ("stop", stop)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(prompt=list(range(3, 200))), "context limit is 128"),
+        (dict(params=dict(max_tokens=0)), "max_tokens=0"),
+        (dict(params=dict(temperature=-1.0)), "temperature=-1.0"),
+        (dict(params=dict(top_p=0.0)), "top_p=0.0"),
+        (dict(params=dict(top_p=1.5)), "top_p=1.5"),
+        (dict(prompt=[]), "prompt is empty"),
+        (dict(prompt=[5, 131]), "outside the vocabulary"),
+    ],
+)
+def test_bad_requests_are_refused_alone(tiny, expected, bad, message):
+    config, params = tiny
+    mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
+    engine = Engine(config, params, mesh, eos_ids=[EOS], max_slots=4)
+    good = greedy_requests()[:3]
+    for r in good[:2]:
+        engine.add(r)
+    with pytest.raises(ValueError, match=message):
+        if "params" in bad:
+            engine.add(Request("bad", [5, 6], SamplingParams(**bad["params"])))
+        else:
+            engine.add(Request("bad", bad["prompt"], SamplingParams(max_tokens=4)))
+    engine.add(good[2])
+    tokens, _ = run(engine, [])
+    assert tokens == {r.id: expected[r.id] for r in good}
+
+
+def test_cancel_frees_the_slot(tiny, expected):
+    config, params = tiny
+    mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
+    engine = Engine(config, params, mesh, eos_ids=[EOS], max_slots=1)
+    long = Request("long", [5, 6, 7], SamplingParams(max_tokens=50, temperature=0.0))
+    rest = greedy_requests()[:2]
+    for r in [long, *rest]:
+        engine.add(r)
+    engine.step()
+    engine.cancel("long")
+    tokens, finals = run(engine, [])
+    assert finals["long"].finish_reason == "cancelled"
+    assert {r.id: tokens[r.id] for r in rest} == {r.id: expected[r.id] for r in rest}
