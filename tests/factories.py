@@ -227,3 +227,64 @@ def write_gguf(tiny: Tiny, hf: dict[str, np.ndarray], path: Path, qtypes: dict[s
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def write_chat_gguf(path: Path, seed: int = 0, context: int = 256) -> Path:
+    """A tiny random chat model as a GGUF: byte-level BPE vocabulary (256 byte tokens, a few merges) plus
+    ChatML control tokens, with a ChatML template; eos is <|im_end|>."""
+    import gguf
+
+    from jaxllama.text.byte_level import spell
+
+    byte_tokens = [spell(bytes([b])) for b in range(256)]
+    merges = ["Ġ t", "Ġ a", "h e", "i n", "Ġt he"]
+    merged = ["Ġt", "Ġa", "he", "in", "Ġthe"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = byte_tokens + merged + specials
+    types = [1] * (len(byte_tokens) + len(merged)) + [3] * len(specials)
+    tiny = Tiny(vocab=len(tokens), max_pos=context)
+    state = hf_state(hf_model(tiny, seed))
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(tiny.layers)
+    w.add_context_length(context)
+    w.add_embedding_length(tiny.dim)
+    w.add_feed_forward_length(tiny.ffn)
+    w.add_head_count(tiny.heads)
+    w.add_head_count_kv(tiny.kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(tiny.rope_theta)
+    w.add_vocab_size(tiny.vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index("<|im_start|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    w.add_tensor("token_embd.weight", state["model.embed_tokens.weight"] * 10)
+    w.add_tensor("output_norm.weight", state["model.norm.weight"])
+    w.add_tensor("output.weight", state["lm_head.weight"] * 10)
+    for i in range(tiny.layers):
+        for a, b in names.items():
+            t = state[f"model.layers.{i}.{a}.weight"]
+            if b == "attn_q":
+                t = llamacpp_permute(t, tiny.heads)
+            elif b == "attn_k":
+                t = llamacpp_permute(t, tiny.kv_heads)
+            w.add_tensor(f"blk.{i}.{b}.weight", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

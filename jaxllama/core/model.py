@@ -10,7 +10,7 @@ Rotary embeddings use Meta's convention: dimension pairs (2i, 2i+1) of each head
 weights already are; Hugging Face's q/k projections are permuted back; GGUF files already hold
 Meta's layout (llama.cpp's converter undoes Hugging Face's permutation).
 
-The KV cache is an explicit input and output: per layer a pair (k, v) of [batch, cache_len, kv_heads,
+The KV cache is an explicit input and output: per layer a pair (k, v) of [batch, kv_heads, cache_len,
 head_dim]. A call writes the keys/values of its tokens at their positions, then every query attends to
 the cache entries at positions <= its own. The same code runs a whole sequence (a fresh cache as long
 as the sequence), a prefill (a fresh cache as long as the bucket) and a decode step (one token per row,
@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxllama.core.config import ModelConfig
 
-KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v): [batch, cache_len, kv_heads, head_dim]
+KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v): [batch, kv_heads, cache_len, head_dim]
 
 
 def rope_frequencies(config: ModelConfig) -> np.ndarray:
@@ -82,7 +82,7 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, cache_k, cache_v):
-        """x [b, t, dim], positions [b, t]; cache_k/v [b, s, kv_heads, head_dim] -> (out, cache_k, cache_v)."""
+        """x [b, t, dim], positions [b, t]; cache_k/v [b, kv_heads, s, head_dim] -> (out, cache_k, cache_v)."""
         c = self.config
         wq = _param(self, "wq", (c.dim, c.n_heads, c.head_dim), ("embed", "heads", "head_dim"), self.dtype)
         wk = _param(self, "wk", (c.dim, c.n_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), self.dtype)
@@ -95,17 +95,17 @@ class Attention(nn.Module):
 
         # Write this call's keys/values at their positions (rows past the cache's end are dropped).
         rows = jnp.arange(x.shape[0])[:, None]
-        cache_k = cache_k.at[rows, positions].set(k.astype(cache_k.dtype), mode="drop")
-        cache_v = cache_v.at[rows, positions].set(v.astype(cache_v.dtype), mode="drop")
+        cache_k = cache_k.at[rows, :, positions].set(k.astype(cache_k.dtype), mode="drop")
+        cache_v = cache_v.at[rows, :, positions].set(v.astype(cache_v.dtype), mode="drop")
 
         groups = c.n_heads // c.n_kv_heads
         q = q.reshape(*q.shape[:2], c.n_kv_heads, groups, c.head_dim)  # [b, t, kv, g, hd]
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, cache_k.astype(q.dtype)).astype(jnp.float32)
+        scores = jnp.einsum("btkgd,bksd->bkgts", q, cache_k.astype(q.dtype)).astype(jnp.float32)
         scores = scores * (1.0 / np.sqrt(c.head_dim))
-        visible = jnp.arange(cache_k.shape[1])[None, None, :] <= positions[:, :, None]  # [b, t, s]
+        visible = jnp.arange(cache_k.shape[2])[None, None, :] <= positions[:, :, None]  # [b, t, s]
         scores = jnp.where(visible[:, None, None], scores, -1e30)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, cache_v.astype(x.dtype))
+        out = jnp.einsum("bkgts,bksd->btkgd", probs, cache_v.astype(x.dtype))
         out = out.reshape(*out.shape[:2], c.n_heads, c.head_dim)
         return jnp.einsum("bthk,hkd->btd", out, wo), cache_k, cache_v
 
@@ -167,8 +167,8 @@ class Llama(nn.Module):
 
 
 def empty_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:
-    """A zero KV cache: per layer (k, v) of [batch, length, kv_heads, head_dim]."""
-    shape = (batch, length, config.n_kv_heads, config.head_dim)
+    """A zero KV cache: per layer (k, v) of [batch, kv_heads, length, head_dim]."""
+    shape = (batch, config.n_kv_heads, length, config.head_dim)
     return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.n_layers)]
 
 

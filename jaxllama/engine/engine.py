@@ -29,7 +29,6 @@ from jaxllama.engine.sampling import SamplerFlags, SamplingParams, SamplingRows
 from jaxllama.engine.step import DecodeState, decode, prefill
 
 MAX_STOP_IDS = 32
-MIN_PROMPT_BUCKET = 16
 
 
 @dataclasses.dataclass
@@ -197,7 +196,7 @@ class Engine:
             return []
         by_bucket = collections.defaultdict(list)
         for r in take:
-            by_bucket[kvcache.bucket(len(r.prompt), self.max_context, MIN_PROMPT_BUCKET)].append(r)
+            by_bucket[kvcache.prompt_bucket(len(r.prompt), self.max_context)].append(r)
         updates = []
         for length, group in sorted(by_bucket.items()):
             slots = [free.pop(0) for _ in group]
@@ -227,8 +226,8 @@ class Engine:
         limits = np.full(n, self.max_context, np.int32)
         flags = SamplerFlags.of(params)
         args = (self.params, self.state, prompts, lengths, slot_ids, rows, max_tokens, limits, stop_ids)
-        start = time.perf_counter()
         fn = self._compile("prefill", functools.partial(prefill, config=self.config, flags=flags), args, flags)
+        start = time.perf_counter()
         self.state, tokens, logprobs, still = fn(*args[:2], *self._put(args[2:]))
         tokens, logprobs, still = jax.device_get((tokens, logprobs, still))
         now = time.perf_counter()
@@ -253,13 +252,10 @@ class Engine:
         for s in self.active.values():
             flags = flags | SamplerFlags.of([s.request.params])
         args = (self.params, self.state, self._keep)
-        start = time.perf_counter()
         fn = self._compile(
-            "decode",
-            functools.partial(decode, config=self.config, n_steps=n_steps, flags=flags),
-            args,
-            (flags, n_steps),
+            "decode", functools.partial(decode, config=self.config, n_steps=n_steps, flags=flags), args, (flags, n_steps)
         )
+        start = time.perf_counter()
         self.state, tokens, logprobs, emitted = fn(self.params, self.state, *self._put((self._keep,)))
         tokens, logprobs, emitted = jax.device_get((tokens, logprobs, emitted))
         self.stats.decode_s += time.perf_counter() - start
@@ -343,7 +339,7 @@ class Engine:
 
     def _ensure_cache(self, needed: int) -> None:
         """Grow the cache to hold `needed` positions, or shrink it when far more than needed."""
-        current = self.state.cache[0][0].shape[1]
+        current = self.state.cache[0][0].shape[2]
         target = kvcache.bucket(needed, self.max_context)
         if target > current or target <= current // 4:
             start = time.perf_counter()

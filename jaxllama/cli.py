@@ -1,0 +1,209 @@
+"""The `jaxllama` command: `run` a batch job, `info` about a checkpoint, `chat` in the terminal.
+
+    jaxllama run jobs/eval.jsonl [--model PATH] [--output OUT.jsonl] ...
+    jaxllama info [PATH]
+    jaxllama chat [--model PATH]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import fire
+
+REPEATABLE = ("--stop", "--eos-id", "--eos_id")
+
+
+def _common_setup(model, mesh, chat_template, eos_id, max_batch, max_context, coordinator, num_processes,
+                  process_id, quiet, decode_steps=None):
+    from jaxllama.engine.runtime import initialize_distributed
+    from jaxllama.llm import LLM
+
+    initialize_distributed(coordinator, num_processes, process_id)
+    return LLM.load(model, mesh=mesh, chat_template=chat_template, extra_eos_ids=_as_list(eos_id, int),
+                    max_slots=max_batch, max_context=max_context, decode_steps=decode_steps)
+
+
+def _as_list(value, kind=str):
+    if value is None:
+        return []
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [kind(v) for v in values]
+
+
+def run(job: str, model: str | None = None, output: str | None = None, mesh: str | None = None,
+        max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+        seed: int | None = None, stop=None, eos_id=None, system_prompt: str | None = None,
+        chat_template: str | None = None, max_batch: int = 32, max_context: int | None = None,
+        decode_steps: int | None = None, overwrite: bool = False, stats_file: str | None = None,
+        quiet: bool = False, coordinator: str | None = None, num_processes: int | None = None,
+        process_id: int | None = None):
+    """Run a JSONL job: one request per line (chat "messages", plain "prompt", or OpenAI Batch API lines).
+
+    Writes one line per input line, in order, to OUTPUT (default: JOB.out.jsonl beside the job). Running the
+    same command again skips requests already done; --overwrite starts over. Per-line parameters override
+    the options below. Exit status 1 when any line failed.
+
+    Args:
+      job: the JSONL job file.
+      model: a converted checkpoint folder (default: SmolLM2-135M-Instruct, converted on first use).
+      output: the output JSONL file.
+      mesh: device mesh, e.g. data=2,model=4 (default: chosen from the devices and the model).
+      max_tokens: tokens to generate per request at most.
+      temperature: sampling temperature; 0 is greedy.
+      top_p: nucleus sampling mass.
+      top_k: sample among the k most likely tokens (0: off).
+      min_p: drop tokens less likely than min_p times the most likely one.
+      seed: random seed for sampling (per request, reproducible whatever shares the batch).
+      stop: a stop string (repeat --stop for more).
+      eos_id: an extra end-of-generation token id (repeatable).
+      system_prompt: a system message for chat lines that have none.
+      chat_template: a built-in template (llama2, llama3, chatml, raw) or a .jinja file.
+      max_batch: decode slots: requests generated at once.
+      max_context: context limit (prompt + completion), at most the model's.
+      decode_steps: decode steps per host round trip.
+      overwrite: start over instead of resuming.
+      stats_file: also write the summary statistics as JSON here.
+      quiet: no progress or summary on stderr.
+      coordinator: multi-host: HOST:PORT of process 0 (or JAX_COORDINATOR_ADDRESS).
+      num_processes: multi-host: number of processes (or JAX_NUM_PROCESSES).
+      process_id: multi-host: this process's index (or JAX_PROCESS_ID).
+    """
+    from pathlib import Path
+
+    from jaxllama.batch.runner import default_output, print_summary, run_job
+    from jaxllama.engine.runtime import is_main_process
+    from jaxllama.engine.sampling import SamplingParams
+
+    job_path = Path(job)
+    if not job_path.is_file():
+        _fail(f"{job}: no such job file")
+    try:
+        defaults = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  min_p=min_p, seed=seed)
+        llm = _common_setup(model, mesh, chat_template, eos_id, max_batch, max_context, coordinator, num_processes,
+                            process_id, quiet, decode_steps)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        _fail(str(e))
+    main = is_main_process()
+    try:
+        stats, summary = run_job(llm, job_path, Path(output) if output else None, defaults=defaults,
+                                 stop=_as_list(stop), system_prompt=system_prompt, overwrite=overwrite,
+                                 quiet=quiet or not main, write=main)
+    except OSError as e:
+        _fail(str(e))
+    if main:
+        if not quiet:
+            print_summary(summary)
+            print(f"wrote {output or default_output(job_path)}", file=sys.stderr)
+        if stats_file:
+            Path(stats_file).write_text(json.dumps(summary, indent=2) + "\n")
+    if stats.failed:
+        sys.exit(1)
+
+
+def info(path: str | None = None):
+    """Describe a checkpoint: config, parameter count, dtype, tokenizer, chat template, end-of-generation ids.
+
+    Args:
+      path: a converted checkpoint folder (default: the default model).
+    """
+    from jaxllama.core.config import ModelConfig
+    from jaxllama.default_model import resolve_model
+    from jaxllama.text.chat_template import ChatTemplate
+    from jaxllama.text.end_of_generation import end_of_generation_ids, load_generation_config
+    from jaxllama.text.tokenizer import load_tokenizer
+
+    try:
+        folder = resolve_model(path)
+        config = ModelConfig.load(folder)
+        tok = load_tokenizer(folder)
+        template = ChatTemplate.from_checkpoint(folder, special_tokens=tok.special_tokens)
+        eos = end_of_generation_ids(tok, generation_config=load_generation_config(folder),
+                                    template_text=template.source)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        _fail(str(e))
+    print(f"checkpoint: {folder}")
+    print(f"parameters: {config.n_params / 1e6:.1f} M, stored as {config.dtype}")
+    print(f"config: {json.dumps(config.to_dict())}")
+    print(f"tokenizer: {type(tok).__name__}, vocab {tok.vocab_size}, bos {tok.bos_token!r} ({tok.bos_id}), "
+          f"eos {tok.eos_token!r} ({tok.eos_id}), adds bos: {tok.add_bos}")
+    print(f"chat template: {template.name}")
+    print("end of generation: " + ", ".join(f"{i} {tok.id_to_token(i)!r}" for i in sorted(eos)))
+
+
+def chat(model: str | None = None, system_prompt: str | None = None, max_tokens: int = 512,
+         temperature: float = 0.7, top_p: float = 0.95, seed: int | None = None, mesh: str | None = None,
+         chat_template: str | None = None):
+    """Chat with a model in the terminal, the reply streamed as it is generated. Ctrl-D or /exit to quit.
+
+    Args:
+      model: a converted checkpoint folder (default: SmolLM2-135M-Instruct).
+      system_prompt: a system message for the conversation.
+      max_tokens: tokens per reply at most.
+      temperature: sampling temperature; 0 is greedy.
+      top_p: nucleus sampling mass.
+      seed: random seed.
+      mesh: device mesh, e.g. data=1,model=2.
+      chat_template: a built-in template name or a .jinja file.
+    """
+    try:
+        llm = _common_setup(model, mesh, chat_template, None, 1, None, None, None, None, False)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        _fail(str(e))
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    while True:
+        try:
+            user = input("you> ")
+        except EOFError:
+            print()
+            return
+        if user.strip() in ("/exit", "/quit"):
+            return
+        messages.append({"role": "user", "content": user})
+        print("model> ", end="", flush=True)
+        reply = []
+        for piece in llm.chat(messages, stream=True, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                              seed=seed):
+            reply.append(piece)
+            print(piece, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _merge_repeated(argv: list[str]) -> list[str]:
+    """Fire keeps only the last of repeated flags; gather `--stop a --stop b` into one list value."""
+    values: dict[str, list[str]] = {}
+    rest = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if name in REPEATABLE:
+            if not eq:
+                i += 1
+                value = argv[i] if i < len(argv) else ""
+            values.setdefault(name.replace("_", "-"), []).append(value)
+        else:
+            rest.append(arg)
+        i += 1
+    for name, vals in values.items():
+        rest.append(f"{name}={json.dumps(vals)}")
+    return rest
+
+
+def main(argv: list[str] | None = None):
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = _merge_repeated(list(sys.argv[1:] if argv is None else argv))
+    fire.Fire({"run": run, "info": info, "chat": chat}, command=argv, name="jaxllama")
+
+
+if __name__ == "__main__":
+    main()

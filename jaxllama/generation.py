@@ -1,0 +1,140 @@
+"""From engine tokens to text: incremental detokenization, stop strings, and the result of each request.
+
+`Generation` wraps an `Engine` for the user-facing layers (the `LLM` API, the batch runner, the server):
+requests go in as token ids with sampling parameters and stop strings; text deltas and finished
+`Result`s come out. A stop string ends the request in the engine at once, freeing its slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+from jaxllama.engine.engine import Engine, Request, Timings
+from jaxllama.engine.sampling import SamplingParams
+from jaxllama.text.stops import StopMatcher
+from jaxllama.text.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class Result:
+    """A finished request."""
+
+    id: object
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (end-of-generation token or stop string) | "length"
+    stop_reason: str | int | None  # the stop string or token id that ended it
+    prompt_tokens: int
+    timings: Timings
+    logprobs: list[float] | None = None
+
+    @property
+    def usage(self) -> dict:
+        n = len(self.token_ids)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+
+
+@dataclasses.dataclass
+class Event:
+    """New text of one request (`delta`), and its `Result` when it has finished."""
+
+    id: object
+    delta: str
+    result: Result | None = None
+
+
+class _Text:
+    """One request's text: incremental detokenizer followed by the stop-string stream."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], include_stop: bool):
+        self.decoder = tokenizer.incremental_decoder(skip_special=True)
+        self.stops = StopMatcher(list(stops), include_stop).stream() if stops else None
+        self.text, self.tokens, self.logprobs = [], [], []
+
+    def push(self, tokens: list[int], logprobs: list[float]) -> str:
+        out = []
+        for t, lp in zip(tokens, logprobs, strict=True):
+            if self.stopped:
+                break
+            self.tokens.append(t)
+            self.logprobs.append(lp)
+            piece = self.decoder.push(t)
+            out.append(self.stops.push(piece) if self.stops else piece)
+        delta = "".join(out)
+        self.text.append(delta)
+        return delta
+
+    def finish(self) -> str:
+        tail = self.decoder.flush()
+        if self.stops:
+            tail = self.stops.push(tail) + (self.stops.finish() if not self.stops.stopped else "")
+        self.text.append(tail)
+        return tail
+
+    @property
+    def stopped(self) -> bool:
+        return bool(self.stops and self.stops.stopped)
+
+
+@dataclasses.dataclass
+class _Pending:
+    text: _Text
+    prompt_tokens: int
+    want_logprobs: bool
+    cancelling: bool = False
+
+
+class Generation:
+    """Drives an engine for requests given as token ids; not thread-safe (one thread calls `step`)."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.pending: dict[object, _Pending] = {}
+
+    def submit(self, id, prompt: list[int], params: SamplingParams, stop: Sequence[str] = (),
+               include_stop: bool = False, logprobs: bool = False) -> None:
+        """Queue a request; raises ValueError (naming the problem) if it can never run."""
+        if id in self.pending:
+            raise ValueError(f"request id {id!r} is already running")
+        text = _Text(self.tokenizer, stop, include_stop)  # validates the stop strings
+        self.engine.add(Request(id, list(prompt), params))
+        self.pending[id] = _Pending(text, len(prompt), logprobs)
+
+    def cancel(self, id) -> None:
+        self.engine.cancel(id)
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def step(self) -> list[Event]:
+        events = []
+        for u in self.engine.step():
+            p = self.pending.get(u.id)
+            if p is None:
+                continue
+            delta = p.text.push(u.tokens, u.logprobs)  # tokens after a stop string are dropped
+            if u.finish_reason is None:
+                if p.text.stopped and not p.cancelling:
+                    self.engine.cancel(u.id)  # a stop string ended it: free the slot
+                    p.cancelling = True
+                if delta:
+                    events.append(Event(u.id, delta))
+                continue
+            if p.text.stopped:
+                reason, stop_reason = "stop", p.text.stops.stop_reason
+            else:
+                reason, stop_reason = u.finish_reason, u.stop_token
+            delta += p.text.finish()
+            del self.pending[u.id]
+            result = Result(
+                id=u.id, text="".join(p.text.text), token_ids=p.text.tokens, finish_reason=reason,
+                stop_reason=stop_reason, prompt_tokens=p.prompt_tokens, timings=u.timings or Timings(),
+                logprobs=p.text.logprobs if p.want_logprobs else None,
+            )
+            events.append(Event(u.id, delta, result))
+        return events
+
+    def run(self) -> Iterator[Event]:
+        while self.has_work():
+            yield from self.step()

@@ -1,0 +1,183 @@
+"""`LLM`: the Python API. A whole conversation in, the reply out; no conversation state is kept.
+
+    from jaxllama import LLM
+    llm = LLM.load()                                   # the default model (SmolLM2-135M-Instruct)
+    llm.generate("Once upon a time", max_tokens=20, temperature=0).text
+    llm.chat([{"role": "user", "content": "What do llamas eat?"}], max_tokens=30).text
+    for piece in llm.generate("Tell me a story", max_tokens=20, stream=True): print(piece, end="")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllama.core.checkpoint import load_checkpoint
+from jaxllama.core.config import ModelConfig
+from jaxllama.core.model import forward, sequence_logits
+from jaxllama.core.sharding import make_mesh
+from jaxllama.engine.engine import Engine
+from jaxllama.engine.runtime import enable_compilation_cache
+from jaxllama.engine.sampling import SamplingParams
+from jaxllama.generation import Generation, Result
+from jaxllama.text.chat_template import ChatTemplate, encode_chat
+from jaxllama.text.conversation import validate_messages
+from jaxllama.text.end_of_generation import end_of_generation_ids, load_generation_config
+from jaxllama.text.tokenizer import Tokenizer, load_tokenizer
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+class LLM:
+    """A loaded model with its tokenizer, chat template and end-of-generation ids, and an engine to run it."""
+
+    def __init__(self, config: ModelConfig, params, mesh, tokenizer: Tokenizer, template: ChatTemplate,
+                 eos_ids: Iterable[int], *, max_slots: int = 32, max_context: int | None = None,
+                 decode_steps: int | None = None, path: Path | None = None):
+        self.config, self.params, self.mesh = config, params, mesh
+        self.tokenizer, self.template, self.eos_ids = tokenizer, template, frozenset(eos_ids)
+        self.path = path
+        self.engine = Engine(config, params, mesh, eos_ids=self.eos_ids, max_slots=max_slots,
+                             max_context=max_context, decode_steps=decode_steps or _default_decode_steps())
+        self.generation = Generation(self.engine, tokenizer)
+        self._next_id = 0
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, *, mesh: str | dict | None = None, dtype=None,
+             chat_template: str | None = None, eos_ids: Iterable[int] | None = None, extra_eos_ids: Iterable[int] = (),
+             max_slots: int = 32, max_context: int | None = None, decode_steps: int | None = None,
+             compilation_cache: bool = True) -> LLM:
+        """Load a converted checkpoint (None: the default model) onto a mesh ('data=2,model=4'; default:
+        chosen from the devices). `chat_template`: a built-in name or a .jinja file instead of the
+        checkpoint's. `eos_ids` replaces the end-of-generation set; `extra_eos_ids` extends it."""
+        from jaxllama.default_model import resolve_model
+
+        if compilation_cache:
+            enable_compilation_cache()
+        path = resolve_model(path)
+        config = ModelConfig.load(path)
+        mesh = make_mesh(config, mesh, param_bytes=config.n_params * 4)
+        config, params = load_checkpoint(path, mesh=mesh, dtype=dtype)
+        tokenizer = load_tokenizer(path)
+        template = ChatTemplate.from_checkpoint(path, chat_template, special_tokens=tokenizer.special_tokens)
+        eos = end_of_generation_ids(tokenizer, generation_config=load_generation_config(path),
+                                    template_text=template.source, override=eos_ids, extra=extra_eos_ids)
+        return cls(config, params, mesh, tokenizer, template, eos, max_slots=max_slots, max_context=max_context,
+                   decode_steps=decode_steps, path=Path(path))
+
+    # ---- research --------------------------------------------------------------------------------
+
+    @property
+    def forward(self):
+        """The pure forward function `(params, tokens [b, t], positions [b, t], cache) -> (logits, cache)`,
+        for use inside your own `jax.jit` (see `jaxllama.core.model.forward`)."""
+        return functools.partial(forward, config=self.config)
+
+    def logits(self, token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        """Logits [batch, time, vocab] (float32) of token id lists of any lengths; rows are right-padded,
+        and positions past a sequence's end hold NaN."""
+        lengths = [len(t) for t in token_ids]
+        width = max(lengths)
+        tokens = np.zeros((len(token_ids), width), np.int32)
+        for i, t in enumerate(token_ids):
+            tokens[i, : len(t)] = t
+        out = np.array(_sequence_logits(self.params, self.config, jnp.asarray(tokens)))
+        for i, n in enumerate(lengths):
+            out[i, n:] = np.nan
+        return out
+
+    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, **kwargs) -> str:
+        return self.template.render(validate_messages(messages), add_generation_prompt=add_generation_prompt,
+                                    bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token, **kwargs)
+
+    def encode_chat(self, messages, **kwargs) -> list[int]:
+        return encode_chat(self.tokenizer, self.template, validate_messages(messages), **kwargs)
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    def generate(self, prompt: str | list[int] | Sequence[str | list[int]], *, stream: bool = False,
+                 stop: str | Sequence[str] = (), include_stop: bool = False, logprobs: bool = False,
+                 add_bos: bool | None = None, **sampling):
+        """Complete a prompt (text or token ids), or a list of prompts as one batch.
+
+        Sampling keywords: max_tokens, temperature (0: greedy), top_k, top_p, min_p, seed,
+        repetition_penalty, presence_penalty, frequency_penalty, stop_token_ids. Returns a `Result`
+        (text, token_ids, finish_reason, stop_reason, usage, timings, logprobs), a list of them, or with
+        `stream=True` an iterator of text pieces (one prompt only).
+
+        >>> llm.generate("The capital of France is", max_tokens=5, temperature=0).text  # doctest: +SKIP
+        ' Paris.'
+        """
+        add_bos = self.tokenizer.add_bos if add_bos is None else add_bos
+        single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
+        prompts = [prompt] if single else list(prompt)
+        ids = [p if not isinstance(p, str) else self.tokenizer.encode(p, add_bos=add_bos, allow_special=False)
+               for p in prompts]
+        return self._run(ids, single, stream, stop, include_stop, logprobs, sampling)
+
+    def chat(self, messages, *, stream: bool = False, stop: str | Sequence[str] = (), include_stop: bool = False,
+             logprobs: bool = False, **sampling):
+        """Reply to a conversation (a list of {"role", "content"} messages), or to a list of conversations
+        at once. Same keywords and results as `generate`."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else list(messages)
+        ids = [self.encode_chat(c) for c in conversations]
+        return self._run(ids, single, stream, stop, include_stop, logprobs, sampling)
+
+    def _run(self, ids, single, stream, stop, include_stop, logprobs, sampling):
+        unknown = set(sampling) - set(SAMPLING_FIELDS)
+        if unknown:
+            raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
+        params = SamplingParams(**sampling)
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        if stream:
+            if not single:
+                raise ValueError("stream=True takes a single prompt or conversation")
+            return self._stream(ids[0], params, stop, include_stop)
+        request_ids = []
+        for prompt_ids in ids:
+            rid = self._new_id()
+            self.generation.submit(rid, prompt_ids, params, stop, include_stop, logprobs)
+            request_ids.append(rid)
+        results = {}
+        for event in self.generation.run():
+            if event.result is not None:
+                results[event.id] = event.result
+        out = [results[r] for r in request_ids]
+        return out[0] if single else out
+
+    def _stream(self, prompt_ids, params, stop, include_stop) -> Iterator[str]:
+        rid = self._new_id()
+        self.generation.submit(rid, prompt_ids, params, stop, include_stop)
+        try:
+            while self.generation.has_work():
+                for event in self.generation.step():
+                    if event.id == rid and event.delta:
+                        yield event.delta
+        finally:
+            if rid in self.generation.pending:
+                self.generation.cancel(rid)
+
+    def _new_id(self) -> str:
+        self._next_id += 1
+        return f"req-{self._next_id}"
+
+
+def _default_decode_steps() -> int:
+    """Decode steps per host round trip: on an accelerator several (host overhead is large against a step);
+    on the CPU one (the step dominates, and finished slots are refilled sooner)."""
+    return 1 if jax.default_backend() == "cpu" else 8
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _sequence_logits(params, config, tokens):
+    return sequence_logits(params, config, tokens)
+
+
+__all__ = ["LLM", "Result"]

@@ -1,0 +1,160 @@
+"""`jaxllama run` as a subprocess on a tiny converted chat model: input shapes, order, errors, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from converters.llama import convert
+from tests.factories import write_chat_gguf
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("tinychat")
+    return convert(write_chat_gguf(tmp / "m.gguf"), tmp / "ckpt", progress=False)
+
+
+def jaxllama(*args, env=None, timeout=600):
+    env = {**os.environ, "JAXLLAMA_CACHE": os.environ.get("JAXLLAMA_TEST_CACHE", ""), **(env or {})}
+    env = {k: v for k, v in env.items() if v != ""}
+    return subprocess.run([sys.executable, "-m", "jaxllama.cli", *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def write_job(path: Path, lines) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+GOOD = [
+    {"id": "chat", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
+     "max_tokens": 6, "temperature": 0},
+    {"id": "plain", "prompt": "the cat", "max_tokens": 5, "temperature": 0},
+    {"custom_id": "oa-chat", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4, "temperature": 0}},
+    {"custom_id": "oa-text", "method": "POST", "url": "/v1/completions",
+     "body": {"prompt": "in the", "max_tokens": 3, "temperature": 0}},
+    {"messages": [{"role": "user", "content": "no id here"}], "max_tokens": 2, "temperature": 0.7, "seed": 3},
+]
+BAD = [
+    "{not json",
+    {"id": "role", "messages": [{"role": "robot", "content": "x"}]},
+    {"id": "long", "prompt": "the " * 400, "max_tokens": 4},
+    {"id": "param", "prompt": "x", "top_p": 1.5},
+    {"id": "shape", "text": "neither messages nor prompt"},
+    {"custom_id": "oa-bad", "method": "POST", "url": "/v1/embeddings", "body": {}},
+]
+
+
+def test_every_shape_in_order_with_error_records(tiny_chat, tmp_path):
+    job = write_job(tmp_path / "job.jsonl", [GOOD[0], BAD[0], GOOD[1], BAD[1], GOOD[2], BAD[2], GOOD[3], BAD[3],
+                                             GOOD[4], BAD[4], BAD[5]])
+    proc = jaxllama("run", job, "--model", tiny_chat, "--stats-file", tmp_path / "stats.json")
+    assert proc.returncode == 1, proc.stderr  # some lines failed
+    out = read(tmp_path / "job.out.jsonl")
+    assert [r.get("custom_id", r.get("id")) for r in out] == [
+        "chat", 2, "plain", "role", "oa-chat", "long", "oa-text", "param", 9, "shape", "oa-bad"]
+    chat, bad_json, plain, role, oa_chat, long, oa_text, param, no_id, shape, oa_bad = out
+    assert chat["message"]["role"] == "assistant" and isinstance(chat["message"]["content"], str)
+    assert chat["usage"]["completion_tokens"] <= 6 and chat["finish_reason"] in ("stop", "length")
+    assert set(chat["timings"]) == {"queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "decode_tokens_per_s",
+                                    "total_ms"}
+    assert isinstance(plain["text"], str) and plain["usage"]["completion_tokens"] <= 5
+    body = oa_chat["response"]["body"]
+    assert oa_chat["response"]["status_code"] == 200 and oa_chat["error"] is None
+    assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] <= 4
+    assert oa_text["response"]["body"]["object"] == "text_completion"
+    assert "message" in no_id
+    assert bad_json["error"]["code"] == "invalid_json" and bad_json["error"]["line"] == 2
+    assert role["error"]["code"] == "invalid_messages" and "robot" in role["error"]["message"]
+    assert long["error"]["code"] == "context_length_exceeded"
+    assert param["error"]["code"] == "invalid_parameter" and "top_p" in param["error"]["message"]
+    assert shape["error"]["code"] == "invalid_request"
+    assert oa_bad["response"]["status_code"] == 400 and "embeddings" in oa_bad["response"]["body"]["error"]["message"]
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["ok"] == 5 and stats["failed"] == 6 and stats["completion_tokens"] > 0
+    assert "requests: 5 ok, 6 failed" in proc.stderr
+
+
+def test_stop_strings_and_per_line_parameters(tiny_chat, tmp_path):
+    base = write_job(tmp_path / "base.jsonl", [{"id": "x", "prompt": "the cat", "max_tokens": 12, "temperature": 0}])
+    assert jaxllama("run", base, "--model", tiny_chat).returncode == 0
+    text = read(tmp_path / "base.out.jsonl")[0]["text"]
+    assert len(text) >= 4
+    stop = text[2:4]
+    job = write_job(tmp_path / "stop.jsonl", [
+        {"id": "s", "prompt": "the cat", "max_tokens": 12, "temperature": 0, "stop": [stop]},
+        {"id": "t", "prompt": "the cat", "max_tokens": 3, "temperature": 0},
+    ])
+    assert jaxllama("run", job, "--model", tiny_chat, "--max-tokens", "12").returncode == 0
+    s, t = read(tmp_path / "stop.out.jsonl")
+    assert s["text"] == text[: text.index(stop)] and stop not in s["text"]
+    assert (s["finish_reason"], s["stop_reason"]) == ("stop", stop)
+    assert t["usage"]["completion_tokens"] == 3 and t["finish_reason"] == "length"
+
+
+def test_resume_after_kill_loses_and_duplicates_nothing(tiny_chat, tmp_path):
+    lines = [{"id": f"r{i}", "prompt": f"the {i}", "max_tokens": 24, "temperature": 0} for i in range(24)]
+    full = write_job(tmp_path / "full.jsonl", lines)
+    assert jaxllama("run", full, "--model", tiny_chat, "--max-batch", "2").returncode == 0
+    expected = read(tmp_path / "full.out.jsonl")
+
+    job = write_job(tmp_path / "job.jsonl", lines)
+    out = tmp_path / "job.out.jsonl"
+    env = {**os.environ, "JAXLLAMA_CACHE": os.environ.get("JAXLLAMA_TEST_CACHE", "")}
+    env = {k: v for k, v in env.items() if v != ""}
+    proc = subprocess.Popen([sys.executable, "-m", "jaxllama.cli", "run", str(job), "--model", str(tiny_chat),
+                             "--max-batch", "2", "--quiet"], cwd=REPO, env=env)
+    deadline = time.time() + 300
+    while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = out.read_text().splitlines()
+    assert 3 <= len(partial) < len(lines)
+    with open(out, "a") as f:
+        f.write('{"id": "r99", "text": "trunc')  # a line cut by the kill
+
+    assert jaxllama("run", job, "--model", tiny_chat, "--max-batch", "2").returncode == 0
+    resumed = read(out)
+    strip = [{k: v for k, v in r.items() if k != "timings"} for r in resumed]
+    assert [r["id"] for r in resumed] == [r["id"] for r in expected]
+    assert strip == [{k: v for k, v in r.items() if k != "timings"} for r in expected]
+
+    again = jaxllama("run", job, "--model", tiny_chat)  # everything done: nothing runs, nothing is appended
+    assert again.returncode == 0 and "24 already done" in again.stderr and read(out) == resumed
+    assert jaxllama("run", job, "--model", tiny_chat, "--overwrite", "--max-batch", "2").returncode == 0
+    assert [r["id"] for r in read(out)] == [r["id"] for r in expected]
+
+
+def test_unreadable_job_or_model_fails_at_once(tiny_chat, tmp_path):
+    proc = jaxllama("run", tmp_path / "missing.jsonl", "--model", tiny_chat)
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("missing.jsonl: no such job file")
+    job = write_job(tmp_path / "job.jsonl", [GOOD[1]])
+    proc = jaxllama("run", job, "--model", tmp_path / "nothing")
+    assert proc.returncode == 2 and "no such file or directory" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_info(tiny_chat):
+    proc = jaxllama("info", tiny_chat)
+    assert proc.returncode == 0, proc.stderr
+    assert "end of generation: 263 '<|im_end|>'" in proc.stdout and "parameters:" in proc.stdout
+
+
+def test_help_is_readable():
+    proc = jaxllama("run", "--help")
+    assert "Run a JSONL job" in proc.stdout + proc.stderr
