@@ -7,9 +7,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import importlib.util  # noqa: E402
+import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+# One compilation cache for the whole session, shared with the `jaxllama` subprocesses the tests start:
+# engines built by different tests compile the same programs, and load them instead of compiling again.
+_CACHE = Path(os.environ.setdefault("JAXLLAMA_TEST_CACHE", tempfile.mkdtemp(prefix="jaxllama-test-cache-")))
+
+
+def pytest_configure(config):
+    from jaxllama.engine.runtime import enable_compilation_cache
+
+    enable_compilation_cache(_CACHE / "xla")
 
 
 def smollm2_gguf() -> Path | None:

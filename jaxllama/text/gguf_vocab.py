@@ -46,7 +46,8 @@ def tokenizer_files_from_gguf(reader: gguf.GGUFReader) -> dict[str, str]:
         raise ValueError(f"GGUF has {len(tokens)} tokens but {len(types)} token types")
     if kind == "gpt2":
         pre = meta.get("tokenizer.ggml.pre", "default")
-        tokenizer = _byte_level_bpe(tokens, types, meta.get("tokenizer.ggml.merges"), pre)
+        # A vocabulary of single bytes and specials needs no merges; writers then omit the empty list.
+        tokenizer = _byte_level_bpe(tokens, types, meta.get("tokenizer.ggml.merges", []), pre)
         default_add_bos = pre in LLAMA3_PRE
     elif kind == "llama":
         scores: list[float] = meta.get("tokenizer.ggml.scores")
