@@ -25,10 +25,21 @@ from safetensors.numpy import save_file
 
 def write_checkpoint(out: Path, dim: int, layers: int, ffn: int, vocab: int, heads: int, kv_heads: int) -> int:
     out.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": dim,
-              "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "vocab_size": vocab, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-              "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": dim,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
     (out / "config.json").write_text(json.dumps(config))
     rng = np.random.default_rng(0)
     hd = dim // heads
@@ -40,11 +51,19 @@ def write_checkpoint(out: Path, dim: int, layers: int, ffn: int, vocab: int, hea
     shards = [{"model.embed_tokens.weight": rand(vocab, dim)}]
     for i in range(layers):
         p = f"model.layers.{i}."
-        shards.append({p + "self_attn.q_proj.weight": rand(heads * hd, dim), p + "self_attn.k_proj.weight":
-                       rand(kv_heads * hd, dim), p + "self_attn.v_proj.weight": rand(kv_heads * hd, dim),
-                       p + "self_attn.o_proj.weight": rand(dim, heads * hd), p + "mlp.gate_proj.weight": rand(ffn, dim),
-                       p + "mlp.up_proj.weight": rand(ffn, dim), p + "mlp.down_proj.weight": rand(dim, ffn),
-                       p + "input_layernorm.weight": rand(dim), p + "post_attention_layernorm.weight": rand(dim)})
+        shards.append(
+            {
+                p + "self_attn.q_proj.weight": rand(heads * hd, dim),
+                p + "self_attn.k_proj.weight": rand(kv_heads * hd, dim),
+                p + "self_attn.v_proj.weight": rand(kv_heads * hd, dim),
+                p + "self_attn.o_proj.weight": rand(dim, heads * hd),
+                p + "mlp.gate_proj.weight": rand(ffn, dim),
+                p + "mlp.up_proj.weight": rand(ffn, dim),
+                p + "mlp.down_proj.weight": rand(dim, ffn),
+                p + "input_layernorm.weight": rand(dim),
+                p + "post_attention_layernorm.weight": rand(dim),
+            }
+        )
     shards.append({"model.norm.weight": rand(dim), "lm_head.weight": rand(vocab, dim)})
     for n, tensors in enumerate(shards):
         name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
@@ -65,11 +84,16 @@ def main(size_gb: float = 2.2, workdir: str = "/tmp/jaxllama-convert-bench", kee
     size = write_checkpoint(work / "hf", dim, layers, ffn, vocab, heads, heads)
     print(f"synthetic checkpoint: {layers} layers, {size / 1e9:.2f} GB bfloat16 ({time.time() - t:.0f} s to write)")
     t = time.time()
-    subprocess.run([sys.executable, "-m", "converters.llama", str(work / "hf"), str(work / "out")], check=True,
-                   cwd=Path(__file__).resolve().parents[1])
+    subprocess.run(
+        [sys.executable, "-m", "converters.llama", str(work / "hf"), str(work / "out")],
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    print(f"converted in {time.time() - t:.0f} s; peak RSS {peak / 1e9:.2f} GB = {100 * peak / size:.0f}% of the "
-          f"checkpoint")
+    print(
+        f"converted in {time.time() - t:.0f} s; peak RSS {peak / 1e9:.2f} GB = {100 * peak / size:.0f}% of the "
+        f"checkpoint"
+    )
     if not keep:
         shutil.rmtree(work, ignore_errors=True)
 

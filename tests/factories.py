@@ -269,9 +269,17 @@ def write_chat_gguf(path: Path, seed: int = 0, context: int = 256) -> Path:
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     w.add_tensor("token_embd.weight", state["model.embed_tokens.weight"] * 10)
     w.add_tensor("output_norm.weight", state["model.norm.weight"])
     w.add_tensor("output.weight", state["lm_head.weight"] * 10)

@@ -12,10 +12,17 @@ from jaxllama.text.conversation import ConversationError, validate_messages
 
 # Per-line parameter -> SamplingParams field.
 PARAMETERS = {
-    "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
-    "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-    "repetition_penalty": "repetition_penalty", "stop_token_ids": "stop_token_ids",
+    "max_tokens": "max_tokens",
+    "max_completion_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "stop_token_ids": "stop_token_ids",
 }
 OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
@@ -60,8 +67,9 @@ def line_id(raw: str, number: int):
     return number
 
 
-def parse_line(raw: str, number: int, defaults: SamplingParams, default_stop: list[str],
-               system_prompt: str | None = None) -> JobLine:
+def parse_line(
+    raw: str, number: int, defaults: SamplingParams, default_stop: list[str], system_prompt: str | None = None
+) -> JobLine:
     """Parse one line; raises LineError."""
     try:
         obj = json.loads(raw)
@@ -76,8 +84,9 @@ def parse_line(raw: str, number: int, defaults: SamplingParams, default_stop: li
             raise LineError("invalid_request", "custom_id: must be a non-empty string", number)
         url = obj.get("url")
         if url not in OPENAI_URLS:
-            raise LineError("invalid_url", f"url: {url!r} is not supported (expected one of "
-                            f"{', '.join(OPENAI_URLS)})", number)
+            raise LineError(
+                "invalid_url", f"url: {url!r} is not supported (expected one of {', '.join(OPENAI_URLS)})", number
+            )
         if obj.get("method", "POST") != "POST":
             raise LineError("invalid_request", f"method: {obj.get('method')!r}, expected 'POST'", number)
         body = obj.get("body")

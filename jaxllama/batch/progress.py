@@ -35,8 +35,11 @@ class Progress:
             self.bar.update()
         elif time.perf_counter() - self.last_plain >= PLAIN_EVERY_S or self.done == self.total:
             self.last_plain = time.perf_counter()
-            print(f"{self.done}/{self.total} requests, {rate:.1f} output tok/s, {self.errors} errors",
-                  file=self.file, flush=True)
+            print(
+                f"{self.done}/{self.total} requests, {rate:.1f} output tok/s, {self.errors} errors",
+                file=self.file,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self.bar is not None:

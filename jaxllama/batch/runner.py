@@ -56,9 +56,18 @@ def completed_ids(output: Path) -> set:
     return done
 
 
-def run_job(llm, job: Path, output: Path | None = None, *, defaults: SamplingParams, stop: list[str],
-            system_prompt: str | None = None, overwrite: bool = False, quiet: bool = False,
-            write: bool = True) -> tuple[JobStats, dict]:
+def run_job(
+    llm,
+    job: Path,
+    output: Path | None = None,
+    *,
+    defaults: SamplingParams,
+    stop: list[str],
+    system_prompt: str | None = None,
+    overwrite: bool = False,
+    quiet: bool = False,
+    write: bool = True,
+) -> tuple[JobStats, dict]:
     """Run a job file with a loaded `LLM`. Returns (job statistics, summary dict)."""
     job = Path(job)
     output = Path(output) if output else default_output(job)
@@ -85,8 +94,14 @@ def run_job(llm, job: Path, output: Path | None = None, *, defaults: SamplingPar
             continue
         if rid in seen_ids:
             openai = '"custom_id"' in raw
-            todo.append((number, records.failure(LineError("duplicate_id", f"id {rid!r} is used by an earlier line",
-                                                           number), rid, openai)))
+            todo.append(
+                (
+                    number,
+                    records.failure(
+                        LineError("duplicate_id", f"id {rid!r} is used by an earlier line", number), rid, openai
+                    ),
+                )
+            )
             continue
         seen_ids.add(rid)
         todo.append((number, None))
@@ -126,8 +141,11 @@ def run_job(llm, job: Path, output: Path | None = None, *, defaults: SamplingPar
             raw = lines[number - 1]
             try:
                 line = parse_line(raw, number, defaults, stop, system_prompt)
-                prompt = (llm.encode_chat(line.messages) if line.kind == "chat" else
-                          llm.tokenizer.encode(line.prompt, add_bos=llm.tokenizer.add_bos, allow_special=False))
+                prompt = (
+                    llm.encode_chat(line.messages)
+                    if line.kind == "chat"
+                    else llm.tokenizer.encode(line.prompt, add_bos=llm.tokenizer.add_bos, allow_special=False)
+                )
                 llm.generation.submit(number, prompt, line.params, line.stop)
                 jobs[number] = line
             except (LineError, ChatTemplateError, ValueError) as e:
@@ -169,16 +187,23 @@ def summary(stats: JobStats, llm, before) -> dict:
     ttft = np.array(stats.ttft_ms) if stats.ttft_ms else np.zeros(1)
     wall = max(stats.wall_s, 1e-9)
     out = {
-        "requests": stats.requests, "ok": stats.ok, "failed": stats.failed, "skipped": stats.skipped,
-        "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-        "wall_s": round(stats.wall_s, 3), "compile_s": round(e.compile_s - before.compile_s, 3),
+        "requests": stats.requests,
+        "ok": stats.ok,
+        "failed": stats.failed,
+        "skipped": stats.skipped,
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "wall_s": round(stats.wall_s, 3),
+        "compile_s": round(e.compile_s - before.compile_s, 3),
         "requests_per_s": round((stats.ok + stats.failed) / wall, 3),
         "output_tokens_per_s": round(stats.completion_tokens / wall, 2),
         "prefill_tokens_per_s": round(prefill_tokens / prefill_s, 1) if prefill_s else 0.0,
         "decode_tokens_per_s": round(generated / decode_s, 1) if decode_s else 0.0,
-        "ttft_ms_p50": round(float(np.percentile(ttft, 50)), 1), "ttft_ms_p95": round(float(np.percentile(ttft, 95)), 1),
+        "ttft_ms_p50": round(float(np.percentile(ttft, 50)), 1),
+        "ttft_ms_p95": round(float(np.percentile(ttft, 95)), 1),
         "slot_occupancy": round(slot_steps / max(1, steps * llm.engine.slots), 3),
-        "decode_steps": steps, "slots": llm.engine.slots,
+        "decode_steps": steps,
+        "slots": llm.engine.slots,
     }
     out["hosts"] = _per_host(stats.wall_s, prefill_s, decode_s, e.compile_s - before.compile_s)
     return out
@@ -196,8 +221,9 @@ def _per_host(wall_s, prefill_s, decode_s, compile_s) -> list[dict]:
     else:
         rows = mine[None]
     keys = ("wall_s", "prefill_s", "decode_s", "compile_s")
-    return [{"process": i, **{k: round(float(v), 3) for k, v in zip(keys, row, strict=True)}}
-            for i, row in enumerate(rows)]
+    return [
+        {"process": i, **{k: round(float(v), 3) for k, v in zip(keys, row, strict=True)}} for i, row in enumerate(rows)
+    ]
 
 
 def print_summary(s: dict, file=sys.stderr) -> None:
@@ -211,6 +237,9 @@ def print_summary(s: dict, file=sys.stderr) -> None:
         f"{100 * s['slot_occupancy']:.0f}% of {s['slots']} slots",
     ]
     if len(s["hosts"]) > 1:
-        lines += [f"host {h['process']}: wall {h['wall_s']:.1f} s, prefill {h['prefill_s']:.1f} s, "
-                  f"decode {h['decode_s']:.1f} s, compile {h['compile_s']:.1f} s" for h in s["hosts"]]
+        lines += [
+            f"host {h['process']}: wall {h['wall_s']:.1f} s, prefill {h['prefill_s']:.1f} s, "
+            f"decode {h['decode_s']:.1f} s, compile {h['compile_s']:.1f} s"
+            for h in s["hosts"]
+        ]
     print("\n".join(lines), file=file, flush=True)

@@ -200,6 +200,7 @@ class Engine:
         updates = []
         for length, group in sorted(by_bucket.items()):
             slots = [free.pop(0) for _ in group]
+            self._keep[slots] = True  # a cancelled slot refilled now: the cancel must not hit its new request
             updates += self._prefill(group, slots, length)
         return updates
 
@@ -253,7 +254,10 @@ class Engine:
             flags = flags | SamplerFlags.of([s.request.params])
         args = (self.params, self.state, self._keep)
         fn = self._compile(
-            "decode", functools.partial(decode, config=self.config, n_steps=n_steps, flags=flags), args, (flags, n_steps)
+            "decode",
+            functools.partial(decode, config=self.config, n_steps=n_steps, flags=flags),
+            args,
+            (flags, n_steps),
         )
         start = time.perf_counter()
         self.state, tokens, logprobs, emitted = fn(self.params, self.state, *self._put((self._keep,)))

@@ -135,7 +135,10 @@ def prefill(
         return big.at[slots].set(small.astype(big.dtype), mode="drop")
 
     new_cache = [
-        (k.at[slots, :, :p].set(nk.astype(k.dtype), mode="drop"), v.at[slots, :, :p].set(nv.astype(v.dtype), mode="drop"))
+        (
+            k.at[slots, :, :p].set(nk.astype(k.dtype), mode="drop"),
+            v.at[slots, :, :p].set(nv.astype(v.dtype), mode="drop"),
+        )
         for (k, v), (nk, nv) in zip(state.cache, cache, strict=True)
     ]
     fields = {

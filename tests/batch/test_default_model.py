@@ -22,13 +22,27 @@ def test_missing_package_names_the_install_command(monkeypatch):
 def test_run_without_model_converts_once_and_answers(tmp_path, smollm2_path):
     job = tmp_path / "job.jsonl"
     job.write_text(
-        json.dumps({"id": "fr", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                    "max_tokens": 16, "temperature": 0}) + "\n"
-        + json.dumps({"id": "count", "prompt": "1, 2, 3, 4,", "max_tokens": 12, "temperature": 0, "stop": "7"}) + "\n"
+        json.dumps(
+            {
+                "id": "fr",
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 16,
+                "temperature": 0,
+            }
+        )
+        + "\n"
+        + json.dumps({"id": "count", "prompt": "1, 2, 3, 4,", "max_tokens": 12, "temperature": 0, "stop": "7"})
+        + "\n"
     )
     env = {**os.environ, "JAXLLAMA_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-m", "jaxllama.cli", "run", str(job)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxllama.cli", "run", str(job)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     fr, count = [json.loads(line) for line in (tmp_path / "job.out.jsonl").read_text().splitlines()]
     assert "Paris" in fr["message"]["content"] and fr["finish_reason"] == "stop" and fr["stop_reason"] == 2

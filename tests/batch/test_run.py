@@ -27,8 +27,14 @@ def tiny_chat(tmp_path_factory) -> Path:
 def jaxllama(*args, env=None, timeout=600):
     env = {**os.environ, "JAXLLAMA_CACHE": os.environ.get("JAXLLAMA_TEST_CACHE", ""), **(env or {})}
     env = {k: v for k, v in env.items() if v != ""}
-    return subprocess.run([sys.executable, "-m", "jaxllama.cli", *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxllama.cli", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def write_job(path: Path, lines) -> Path:
@@ -41,13 +47,25 @@ def read(path: Path) -> list[dict]:
 
 
 GOOD = [
-    {"id": "chat", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
-     "max_tokens": 6, "temperature": 0},
+    {
+        "id": "chat",
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
+        "max_tokens": 6,
+        "temperature": 0,
+    },
     {"id": "plain", "prompt": "the cat", "max_tokens": 5, "temperature": 0},
-    {"custom_id": "oa-chat", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4, "temperature": 0}},
-    {"custom_id": "oa-text", "method": "POST", "url": "/v1/completions",
-     "body": {"prompt": "in the", "max_tokens": 3, "temperature": 0}},
+    {
+        "custom_id": "oa-chat",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4, "temperature": 0},
+    },
+    {
+        "custom_id": "oa-text",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"prompt": "in the", "max_tokens": 3, "temperature": 0},
+    },
     {"messages": [{"role": "user", "content": "no id here"}], "max_tokens": 2, "temperature": 0.7, "seed": 3},
 ]
 BAD = [
@@ -61,18 +79,30 @@ BAD = [
 
 
 def test_every_shape_in_order_with_error_records(tiny_chat, tmp_path):
-    job = write_job(tmp_path / "job.jsonl", [GOOD[0], BAD[0], GOOD[1], BAD[1], GOOD[2], BAD[2], GOOD[3], BAD[3],
-                                             GOOD[4], BAD[4], BAD[5]])
+    job = write_job(
+        tmp_path / "job.jsonl",
+        [GOOD[0], BAD[0], GOOD[1], BAD[1], GOOD[2], BAD[2], GOOD[3], BAD[3], GOOD[4], BAD[4], BAD[5]],
+    )
     proc = jaxllama("run", job, "--model", tiny_chat, "--stats-file", tmp_path / "stats.json")
     assert proc.returncode == 1, proc.stderr  # some lines failed
     out = read(tmp_path / "job.out.jsonl")
     assert [r.get("custom_id", r.get("id")) for r in out] == [
-        "chat", 2, "plain", "role", "oa-chat", "long", "oa-text", "param", 9, "shape", "oa-bad"]
+        "chat",
+        2,
+        "plain",
+        "role",
+        "oa-chat",
+        "long",
+        "oa-text",
+        "param",
+        9,
+        "shape",
+        "oa-bad",
+    ]
     chat, bad_json, plain, role, oa_chat, long, oa_text, param, no_id, shape, oa_bad = out
     assert chat["message"]["role"] == "assistant" and isinstance(chat["message"]["content"], str)
     assert chat["usage"]["completion_tokens"] <= 6 and chat["finish_reason"] in ("stop", "length")
-    assert set(chat["timings"]) == {"queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "decode_tokens_per_s",
-                                    "total_ms"}
+    assert set(chat["timings"]) == {"queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "decode_tokens_per_s", "total_ms"}
     assert isinstance(plain["text"], str) and plain["usage"]["completion_tokens"] <= 5
     body = oa_chat["response"]["body"]
     assert oa_chat["response"]["status_code"] == 200 and oa_chat["error"] is None
@@ -96,10 +126,13 @@ def test_stop_strings_and_per_line_parameters(tiny_chat, tmp_path):
     text = read(tmp_path / "base.out.jsonl")[0]["text"]
     assert len(text) >= 4
     stop = text[2:4]
-    job = write_job(tmp_path / "stop.jsonl", [
-        {"id": "s", "prompt": "the cat", "max_tokens": 12, "temperature": 0, "stop": [stop]},
-        {"id": "t", "prompt": "the cat", "max_tokens": 3, "temperature": 0},
-    ])
+    job = write_job(
+        tmp_path / "stop.jsonl",
+        [
+            {"id": "s", "prompt": "the cat", "max_tokens": 12, "temperature": 0, "stop": [stop]},
+            {"id": "t", "prompt": "the cat", "max_tokens": 3, "temperature": 0},
+        ],
+    )
     assert jaxllama("run", job, "--model", tiny_chat, "--max-tokens", "12").returncode == 0
     s, t = read(tmp_path / "stop.out.jsonl")
     assert s["text"] == text[: text.index(stop)] and stop not in s["text"]
@@ -117,8 +150,22 @@ def test_resume_after_kill_loses_and_duplicates_nothing(tiny_chat, tmp_path):
     out = tmp_path / "job.out.jsonl"
     env = {**os.environ, "JAXLLAMA_CACHE": os.environ.get("JAXLLAMA_TEST_CACHE", "")}
     env = {k: v for k, v in env.items() if v != ""}
-    proc = subprocess.Popen([sys.executable, "-m", "jaxllama.cli", "run", str(job), "--model", str(tiny_chat),
-                             "--max-batch", "2", "--quiet"], cwd=REPO, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxllama.cli",
+            "run",
+            str(job),
+            "--model",
+            str(tiny_chat),
+            "--max-batch",
+            "2",
+            "--quiet",
+        ],
+        cwd=REPO,
+        env=env,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 3):
         time.sleep(0.2)

@@ -19,13 +19,20 @@ PROMPTS = [
 def transformers_model(smollm2_path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()
 
 
 def test_logits_match_transformers(smollm2_checkpoint, transformers_model):
     config, params = load_checkpoint(smollm2_checkpoint)
-    assert (config.n_layers, config.dim, config.n_heads, config.n_kv_heads, config.tie_embeddings) == (30, 576, 9, 3, True)
+    assert (config.n_layers, config.dim, config.n_heads, config.n_kv_heads, config.tie_embeddings) == (
+        30,
+        576,
+        9,
+        3,
+        True,
+    )
     f = jax.jit(sequence_logits, static_argnums=1)
     for prompt in PROMPTS:
         ours = np.asarray(f(params, config, np.array([prompt])))[0]

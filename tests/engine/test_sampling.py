@@ -30,8 +30,10 @@ def numpy_keep(probs: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.
     return keep & (probs >= min_p * probs.max())
 
 
-@pytest.mark.parametrize("top_k, top_p, min_p", [(0, 0.5, 0.0), (0, 0.9, 0.0), (5, 1.0, 0.0), (10, 0.8, 0.0),
-                                                  (0, 1.0, 0.2), (20, 0.95, 0.05), (1, 1.0, 0.0)])
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p",
+    [(0, 0.5, 0.0), (0, 0.9, 0.0), (5, 1.0, 0.0), (10, 0.8, 0.0), (0, 1.0, 0.2), (20, 0.95, 0.05), (1, 1.0, 0.0)],
+)
 def test_candidate_mask_matches_numpy(top_k, top_p, min_p):
     rng = np.random.default_rng(top_k + int(100 * top_p))
     logits = rng.standard_normal((6, 200)).astype(np.float32) * 2
@@ -61,23 +63,33 @@ def engine_factory(tiny):
 
 def test_top_k_1_equals_greedy(engine_factory):
     prompts = random_prompts(4, seed=3)
-    greedy = run(engine_factory(), [Request(i, p, SamplingParams(max_tokens=12, temperature=0.0))
-                                    for i, p in enumerate(prompts)])
-    top1 = run(engine_factory(), [Request(i, p, SamplingParams(max_tokens=12, temperature=1.3, top_k=1, seed=i))
-                                  for i, p in enumerate(prompts)])
+    greedy = run(
+        engine_factory(), [Request(i, p, SamplingParams(max_tokens=12, temperature=0.0)) for i, p in enumerate(prompts)]
+    )
+    top1 = run(
+        engine_factory(),
+        [Request(i, p, SamplingParams(max_tokens=12, temperature=1.3, top_k=1, seed=i)) for i, p in enumerate(prompts)],
+    )
     assert top1 == greedy
 
 
-@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9),
-                                    dict(temperature=1.2, top_k=20, min_p=0.05),
-                                    dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5,
-                                         repetition_penalty=1.3)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.8, top_p=0.9),
+        dict(temperature=1.2, top_k=20, min_p=0.05),
+        dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.3),
+    ],
+)
 def test_seeded_sampling_is_reproducible_across_batches(engine_factory, params):
     prompt = random_prompts(1, seed=9)[0]
     target = Request("t", prompt, SamplingParams(max_tokens=16, seed=1234, **params))
     alone = run(engine_factory(), [target])["t"]
-    others = [Request(f"o{i}", p, SamplingParams(max_tokens=int(5 + 3 * i), temperature=0.5 * i, seed=i))
-              for i, p in enumerate(random_prompts(5, seed=11))]
+    others = [
+        Request(f"o{i}", p, SamplingParams(max_tokens=int(5 + 3 * i), temperature=0.5 * i, seed=i))
+        for i, p in enumerate(random_prompts(5, seed=11))
+    ]
     crowded = run(engine_factory(slots=4), [*others[:2], Request("t", prompt, target.params), *others[2:]])["t"]
     assert crowded == alone
     different_seed = run(engine_factory(), [Request("t", prompt, SamplingParams(max_tokens=16, seed=99, **params))])
