@@ -26,7 +26,6 @@ def _common_setup(
     coordinator,
     num_processes,
     process_id,
-    quiet,
     decode_steps=None,
 ):
     from jaxllama.engine.runtime import initialize_distributed
@@ -130,7 +129,6 @@ def run(
             coordinator,
             num_processes,
             process_id,
-            quiet,
             decode_steps,
         )
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -216,7 +214,7 @@ def chat(
       chat_template: a built-in template name or a .jinja file.
     """
     try:
-        llm = _common_setup(model, mesh, chat_template, None, 1, None, None, None, None, False)
+        llm = _common_setup(model, mesh, chat_template, None, 1, None, None, None, None)
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
