@@ -10,7 +10,6 @@ size (the goal: under 40%).
 from __future__ import annotations
 
 import json
-import resource
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import fire
 import ml_dtypes
 import numpy as np
+import psutil
 from safetensors.numpy import save_file
 
 
@@ -74,6 +74,21 @@ def write_checkpoint(out: Path, dim: int, layers: int, ffn: int, vocab: int, hea
     return total
 
 
+def peak_rss(cmd: list[str], cwd: Path) -> int:
+    """Run cmd and return its peak resident set size (anonymous and file-backed pages), sampled."""
+    child = subprocess.Popen(cmd, cwd=cwd)
+    proc, peak = psutil.Process(child.pid), 0
+    while child.poll() is None:
+        try:
+            peak = max(peak, proc.memory_info().rss)
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    if child.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed with exit status {child.returncode}")
+    return peak
+
+
 def main(size_gb: float = 2.2, workdir: str = "/tmp/jaxllama-convert-bench", keep: bool = False):
     work = Path(workdir)
     shutil.rmtree(work, ignore_errors=True)
@@ -83,16 +98,16 @@ def main(size_gb: float = 2.2, workdir: str = "/tmp/jaxllama-convert-bench", kee
     t = time.time()
     size = write_checkpoint(work / "hf", dim, layers, ffn, vocab, heads, heads)
     print(f"synthetic checkpoint: {layers} layers, {size / 1e9:.2f} GB bfloat16 ({time.time() - t:.0f} s to write)")
-    t = time.time()
-    subprocess.run(
-        [sys.executable, "-m", "converters.llama", str(work / "hf"), str(work / "out")],
-        check=True,
-        cwd=Path(__file__).resolve().parents[1],
+    root = Path(__file__).resolve().parents[1]
+    baseline = peak_rss(
+        [sys.executable, "-c", "import converters.llama, converters.hf, jaxllama.core.checkpoint"], root
     )
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    t = time.time()
+    peak = peak_rss([sys.executable, "-m", "converters.llama", str(work / "hf"), str(work / "out")], root)
     print(
         f"converted in {time.time() - t:.0f} s; peak RSS {peak / 1e9:.2f} GB = {100 * peak / size:.0f}% of the "
-        f"checkpoint"
+        f"checkpoint; {(peak - baseline) / 1e9:.2f} GB above the {baseline / 1e9:.2f} GB of a process that only "
+        f"imports the converter ({100 * (peak - baseline) / size:.0f}%)"
     )
     if not keep:
         shutil.rmtree(work, ignore_errors=True)

@@ -10,6 +10,7 @@ used as they are. A `rope_freqs` tensor (Llama 3.1 rope scaling as llama.cpp sto
 from __future__ import annotations
 
 import json
+import mmap
 from pathlib import Path
 
 import gguf
@@ -120,7 +121,13 @@ class GGUFSource:
         return np.asarray(w, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
 
     def read(self, name: str) -> np.ndarray:
-        return self._dequantize(self._key(name))
+        w = self._dequantize(self._key(name))
+        # The reader maps the whole file; drop the pages read so far from this process, or a converted
+        # model would end with the whole GGUF resident.
+        mapped = getattr(self.reader.data, "_mmap", None)
+        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapped.madvise(mmap.MADV_DONTNEED)
+        return w
 
     def extra_files(self) -> dict[str, str]:
         from jaxllama.text.gguf_vocab import tokenizer_files_from_gguf

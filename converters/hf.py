@@ -103,7 +103,6 @@ class HFSource:
         except ValueError as e:
             raise ConversionError(f"{config_file}: not valid JSON ({e})") from None
         self.files = self._weight_map()
-        self._open: dict[str, object] = {}
 
     def _weight_map(self) -> dict[str, Path]:
         index = self.path / "model.safetensors.index.json"
@@ -142,10 +141,11 @@ class HFSource:
         if key not in self.files:
             raise ConversionError(f"{self.path}: tensor {key!r} is missing")
         file = self.files[key]
-        if file not in self._open:
-            self._open[file] = safe_open(file, "numpy")
         try:
-            w = self._open[file].get_tensor(key)
+            # Opened per tensor: a handle kept open keeps the file's touched pages mapped, so a converter
+            # holding every shard open would end with the whole checkpoint resident.
+            with safe_open(file, "numpy") as f:
+                w = f.get_tensor(key)
         except Exception as e:
             raise ConversionError(f"{file}: cannot read {key} ({e})") from None
         kind = name.partition("/")[2]
