@@ -19,6 +19,8 @@ each row at its own position).
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -64,16 +66,83 @@ def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
 
+# ---- the math: pure functions over (sub)trees of params --------------------------------------------
+# `forward` runs these directly over the params pytree; the Linen modules below only declare the
+# parameters and call the same functions (tracing through Linen's `apply` costs ~2x more per compile).
+
+
+def rms_norm(p, x: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * p["scale"].astype(jnp.float32)).astype(x.dtype)
+
+
+def attention(p, c: ModelConfig, x, positions, cache_k, cache_v):
+    """x [b, t, dim], positions [b, t]; cache_k/v [b, kv_heads, s, head_dim] -> (out, cache_k, cache_v)."""
+    freqs = rope_frequencies(c)
+    q = apply_rope(jnp.einsum("btd,dhk->bthk", x, p["wq"]), positions, freqs)
+    k = apply_rope(jnp.einsum("btd,dhk->bthk", x, p["wk"]), positions, freqs)
+    v = jnp.einsum("btd,dhk->bthk", x, p["wv"])
+
+    # Write this call's keys/values at their positions (rows past the cache's end are dropped).
+    rows = jnp.arange(x.shape[0])[:, None]
+    cache_k = cache_k.at[rows, :, positions].set(k.astype(cache_k.dtype), mode="drop")
+    cache_v = cache_v.at[rows, :, positions].set(v.astype(cache_v.dtype), mode="drop")
+
+    groups = c.n_heads // c.n_kv_heads
+    q = q.reshape(*q.shape[:2], c.n_kv_heads, groups, c.head_dim)  # [b, t, kv, g, hd]
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, cache_k.astype(q.dtype)).astype(jnp.float32)
+    scores = scores * (1.0 / np.sqrt(c.head_dim))
+    visible = jnp.arange(cache_k.shape[2])[None, None, :] <= positions[:, :, None]  # [b, t, s]
+    scores = jnp.where(visible[:, None, None], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, cache_v.astype(x.dtype))
+    out = out.reshape(*out.shape[:2], c.n_heads, c.head_dim)
+    return jnp.einsum("bthk,hkd->btd", out, p["wo"]), cache_k, cache_v
+
+
+def mlp(p, x):
+    return (jax.nn.silu(x @ p["w1"]) * (x @ p["w3"])) @ p["w2"]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def block(p, c: ModelConfig, x, positions, cache_k, cache_v):
+    """One decoder layer. Jitted on its own so that tracing a model traces one layer, not n_layers of
+    them (the outer jit inlines it: the compiled program is the same)."""
+    h, cache_k, cache_v = attention(
+        p["attention"], c, rms_norm(p["attention_norm"], x, c.norm_eps), positions, cache_k, cache_v
+    )
+    x = x + h
+    x = x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, c.norm_eps))
+    return x, cache_k, cache_v
+
+
+def llama(params, c: ModelConfig, tokens, positions, cache: KVCache, logits_at=None):
+    """tokens [b, t], positions [b, t], cache -> (logits float32, cache); see `Llama`."""
+    x = jnp.take(params["embedding"], tokens, axis=0)
+    new_cache = []
+    for i in range(c.n_layers):
+        x, k, v = block(params[f"layers_{i}"], c, x, positions, *cache[i])
+        new_cache.append((k, v))
+    x = rms_norm(params["norm"], x, c.norm_eps)
+    if logits_at is not None:
+        x = x[jnp.arange(x.shape[0]), logits_at]
+    logits = x @ params["embedding"].T if c.tie_embeddings else x @ params["output"]
+    return logits.astype(jnp.float32), new_cache
+
+
+# ---- the declarations: every parameter's shape, initializer and logical axes ------------------------
+# Each module, called, declares its parameters and returns them as a dict shaped like its part of the
+# params tree; `Llama` hands the whole tree to `llama`. Initialization (params.py) traces `Llama`.
+
+
 class RMSNorm(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        scale = _param(self, "scale", (self.config.dim,), ("norm",), self.dtype, nn.initializers.ones)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.config.norm_eps)
-        return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+    def __call__(self) -> dict:
+        return {"scale": _param(self, "scale", (self.config.dim,), ("norm",), self.dtype, nn.initializers.ones)}
 
 
 class Attention(nn.Module):
@@ -81,33 +150,14 @@ class Attention(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, positions, cache_k, cache_v):
-        """x [b, t, dim], positions [b, t]; cache_k/v [b, kv_heads, s, head_dim] -> (out, cache_k, cache_v)."""
+    def __call__(self) -> dict:
         c = self.config
-        wq = _param(self, "wq", (c.dim, c.n_heads, c.head_dim), ("embed", "heads", "head_dim"), self.dtype)
-        wk = _param(self, "wk", (c.dim, c.n_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), self.dtype)
-        wv = _param(self, "wv", (c.dim, c.n_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), self.dtype)
-        wo = _param(self, "wo", (c.n_heads, c.head_dim, c.dim), ("heads", "head_dim", "embed"), self.dtype)
-        freqs = rope_frequencies(c)
-        q = apply_rope(jnp.einsum("btd,dhk->bthk", x, wq), positions, freqs)
-        k = apply_rope(jnp.einsum("btd,dhk->bthk", x, wk), positions, freqs)
-        v = jnp.einsum("btd,dhk->bthk", x, wv)
-
-        # Write this call's keys/values at their positions (rows past the cache's end are dropped).
-        rows = jnp.arange(x.shape[0])[:, None]
-        cache_k = cache_k.at[rows, :, positions].set(k.astype(cache_k.dtype), mode="drop")
-        cache_v = cache_v.at[rows, :, positions].set(v.astype(cache_v.dtype), mode="drop")
-
-        groups = c.n_heads // c.n_kv_heads
-        q = q.reshape(*q.shape[:2], c.n_kv_heads, groups, c.head_dim)  # [b, t, kv, g, hd]
-        scores = jnp.einsum("btkgd,bksd->bkgts", q, cache_k.astype(q.dtype)).astype(jnp.float32)
-        scores = scores * (1.0 / np.sqrt(c.head_dim))
-        visible = jnp.arange(cache_k.shape[2])[None, None, :] <= positions[:, :, None]  # [b, t, s]
-        scores = jnp.where(visible[:, None, None], scores, -1e30)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bkgts,bksd->btkgd", probs, cache_v.astype(x.dtype))
-        out = out.reshape(*out.shape[:2], c.n_heads, c.head_dim)
-        return jnp.einsum("bthk,hkd->btd", out, wo), cache_k, cache_v
+        return {
+            "wq": _param(self, "wq", (c.dim, c.n_heads, c.head_dim), ("embed", "heads", "head_dim"), self.dtype),
+            "wk": _param(self, "wk", (c.dim, c.n_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), self.dtype),
+            "wv": _param(self, "wv", (c.dim, c.n_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), self.dtype),
+            "wo": _param(self, "wo", (c.n_heads, c.head_dim, c.dim), ("heads", "head_dim", "embed"), self.dtype),
+        }
 
 
 class MLP(nn.Module):
@@ -115,12 +165,13 @@ class MLP(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self) -> dict:
         c = self.config
-        w1 = _param(self, "w1", (c.dim, c.ffn_dim), ("embed", "mlp"), self.dtype)  # gate
-        w3 = _param(self, "w3", (c.dim, c.ffn_dim), ("embed", "mlp"), self.dtype)  # up
-        w2 = _param(self, "w2", (c.ffn_dim, c.dim), ("mlp", "embed"), self.dtype)  # down
-        return (jax.nn.silu(x @ w1) * (x @ w3)) @ w2
+        return {
+            "w1": _param(self, "w1", (c.dim, c.ffn_dim), ("embed", "mlp"), self.dtype),  # gate
+            "w3": _param(self, "w3", (c.dim, c.ffn_dim), ("embed", "mlp"), self.dtype),  # up
+            "w2": _param(self, "w2", (c.ffn_dim, c.dim), ("mlp", "embed"), self.dtype),  # down
+        }
 
 
 class Block(nn.Module):
@@ -128,13 +179,14 @@ class Block(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, positions, cache_k, cache_v):
-        h, cache_k, cache_v = Attention(self.config, self.dtype, name="attention")(
-            RMSNorm(self.config, self.dtype, name="attention_norm")(x), positions, cache_k, cache_v
-        )
-        x = x + h
-        x = x + MLP(self.config, self.dtype, name="mlp")(RMSNorm(self.config, self.dtype, name="mlp_norm")(x))
-        return x, cache_k, cache_v
+    def __call__(self) -> dict:
+        c, dtype = self.config, self.dtype
+        return {
+            "attention_norm": RMSNorm(c, dtype, name="attention_norm")(),
+            "attention": Attention(c, dtype, name="attention")(),
+            "mlp_norm": RMSNorm(c, dtype, name="mlp_norm")(),
+            "mlp": MLP(c, dtype, name="mlp")(),
+        }
 
 
 class Llama(nn.Module):
@@ -149,21 +201,13 @@ class Llama(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache, logits_at=None):
-        c = self.config
-        embedding = _param(self, "embedding", (c.vocab_size, c.dim), ("vocab", "embed"), self.dtype)
-        x = jnp.take(embedding, tokens, axis=0)
-        new_cache = []
-        for i in range(c.n_layers):
-            x, k, v = Block(c, self.dtype, name=f"layers_{i}")(x, positions, *cache[i])
-            new_cache.append((k, v))
-        x = RMSNorm(c, self.dtype, name="norm")(x)
-        if logits_at is not None:
-            x = x[jnp.arange(x.shape[0]), logits_at]
-        if c.tie_embeddings:
-            logits = x @ embedding.T
-        else:
-            logits = x @ _param(self, "output", (c.dim, c.vocab_size), ("embed", "vocab"), self.dtype)
-        return logits.astype(jnp.float32), new_cache
+        c, dtype = self.config, self.dtype
+        params = {"embedding": _param(self, "embedding", (c.vocab_size, c.dim), ("vocab", "embed"), dtype)}
+        params |= {f"layers_{i}": Block(c, dtype, name=f"layers_{i}")() for i in range(c.n_layers)}
+        params["norm"] = RMSNorm(c, dtype, name="norm")()
+        if not c.tie_embeddings:
+            params["output"] = _param(self, "output", (c.dim, c.vocab_size), ("embed", "vocab"), dtype)
+        return llama(params, c, tokens, positions, cache, logits_at)
 
 
 def empty_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:
@@ -174,8 +218,7 @@ def empty_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.float32)
 
 def forward(params, config: ModelConfig, tokens, positions, cache: KVCache, logits_at=None):
     """The pure forward function: usable inside a caller's own `jax.jit`."""
-    dtype = jax.tree.leaves(params)[0].dtype
-    return Llama(config, dtype).apply({"params": params}, tokens, positions, cache, logits_at)
+    return llama(params, config, tokens, positions, cache, logits_at)
 
 
 def sequence_logits(params, config: ModelConfig, tokens: jax.Array) -> jax.Array:

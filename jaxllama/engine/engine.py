@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.sharding import named_sharding
 from jaxllama.engine import kvcache
+from jaxllama.engine.runtime import agreed_seed
 from jaxllama.engine.sampling import SamplerFlags, SamplingParams, SamplingRows
 from jaxllama.engine.step import DecodeState, decode, prefill
 
@@ -121,6 +122,7 @@ class Engine:
         self._compiled: dict = {}
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._rows = named_sharding(mesh, config, ("batch",))
+        self._seeds = random.Random(agreed_seed())  # for requests without a seed: the same on every process
         self.state = self._initial_state(kvcache.bucket(min_cache, self.max_context))
 
     # ---- public API -------------------------------------------------------------------------------
@@ -219,7 +221,7 @@ class Engine:
             ids = sorted(set(self.eos_ids) | set(r.params.stop_token_ids))
             stop_ids[i, : len(ids)] = ids
             params.append(r.params)
-            seeds.append(r.params.seed if r.params.seed is not None else random.getrandbits(63))
+            seeds.append(r.params.seed if r.params.seed is not None else self._seeds.getrandbits(63))
         params += [SamplingParams(temperature=0.0)] * (n - len(group))
         seeds += [0] * (n - len(group))
         rows = SamplingRows(**SamplingRows.from_params(params, seeds))
@@ -350,8 +352,7 @@ class Engine:
             sharding = kvcache.cache_sharding(self.config, self.mesh)
             resize = jax.jit(
                 kvcache.resize,
-                static_argnums=1,
-                donate_argnums=0,
+                static_argnums=1,  # no donation: the new cache has another shape
                 out_shardings=[(sharding, sharding)] * self.config.n_layers,
             )
             self.state = dataclasses.replace(self.state, cache=resize(self.state.cache, target))
