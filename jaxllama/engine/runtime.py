@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import jax
+import numpy as np
 
 
 def cache_dir() -> Path:
@@ -51,3 +52,19 @@ def initialize_distributed(
 
 def is_main_process() -> bool:
     return jax.process_index() == 0
+
+
+def broadcast_from_main(x: np.ndarray) -> np.ndarray:
+    """Process 0's value of a host array, on every process (the array itself in a single-process run). Every
+    process must call it, with an array of the same shape and dtype."""
+    if jax.process_count() == 1:
+        return x
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.broadcast_one_to_all(x))
+
+
+def agreed_seed() -> int:
+    """A random 63-bit seed, the same on every process (process 0's): whatever is sampled from it is too."""
+    words = broadcast_from_main(np.frombuffer(os.urandom(8), np.uint32).copy())
+    return (int(words[0]) << 31) | (int(words[1]) >> 1)
