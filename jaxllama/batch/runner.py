@@ -17,6 +17,7 @@ import numpy as np
 from jaxllama.batch import records
 from jaxllama.batch.jobs import JobLine, LineError, line_id, parse_line
 from jaxllama.batch.progress import Progress
+from jaxllama.engine.runtime import broadcast_from_main
 from jaxllama.engine.sampling import SamplingParams
 from jaxllama.text.chat_template import ChatTemplateError
 
@@ -78,6 +79,8 @@ def run_job(
     if overwrite and write and output.exists():
         output.unlink()
     done = completed_ids(output) if write else set()
+    # Only the writing process (process 0) reads the output; every process skips the lines it skips.
+    skip = _skipped_lines(lines, done)
 
     stats = JobStats()
     start = time.perf_counter()
@@ -89,7 +92,7 @@ def run_job(
             continue
         stats.requests += 1
         rid = line_id(raw, number)
-        if rid in done:
+        if skip[number - 1]:
             stats.skipped += 1
             continue
         if rid in seen_ids:
@@ -176,6 +179,12 @@ def _code(e: Exception) -> str:
     if isinstance(e, ChatTemplateError):
         return "template_error"
     return "invalid_parameter" if "=" in text.split(":")[0] else "invalid_request"
+
+
+def _skipped_lines(lines: list[str], done: set) -> np.ndarray:
+    """Per line: already answered (its id in `done`), as process 0 sees it, on every process."""
+    skip = np.array([bool(raw.strip()) and line_id(raw, n) in done for n, raw in enumerate(lines, start=1)])
+    return broadcast_from_main(skip.astype(np.uint8)).astype(bool)
 
 
 def summary(stats: JobStats, llm, before) -> dict:
