@@ -28,20 +28,30 @@ class Result:
     prompt_tokens: int
     timings: Timings
     logprobs: list[float] | None = None
+    cached_tokens: int = 0  # prompt tokens whose keys/values were reused from an earlier request
 
     @property
     def usage(self) -> dict:
+        """OpenAI's usage object."""
         n = len(self.token_ids)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": self.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
 
 @dataclasses.dataclass
 class Event:
-    """New text of one request (`delta`), and its `Result` when it has finished."""
+    """New text of one request (`delta`), the tokens that made it (with their log-probabilities when the request
+    asked for them), and its `Result` when it has finished."""
 
     id: object
     delta: str
     result: Result | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] | None = None
 
 
 class _Text:
@@ -105,11 +115,28 @@ class Generation:
         if id in self.pending:
             raise ValueError(f"request id {id!r} is already running")
         text = _Text(self.tokenizer, stop, include_stop)  # validates the stop strings
-        self.engine.add(Request(id, list(prompt), params))
+        self.engine.add(Request(id, list(prompt), self._bounded(params)))
         self.pending[id] = _Pending(text, len(prompt), logprobs)
 
+    def _bounded(self, params: SamplingParams) -> SamplingParams:
+        """`params` within what the engine holds in int32 arrays: a max_tokens past the context or a top_k past
+        the vocabulary means the same as the limit; a stop token id outside the vocabulary is an error."""
+        vocab = self.engine.config.vocab_size
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids={list(params.stop_token_ids)}: {bad[0]} is outside the vocabulary")
+        max_tokens, top_k = min(params.max_tokens, self.engine.max_context), min(params.top_k, vocab)
+        if (max_tokens, top_k) == (params.max_tokens, params.top_k):
+            return params
+        return dataclasses.replace(params, max_tokens=max_tokens, top_k=top_k)
+
     def cancel(self, id) -> None:
+        """Stop a request. A running one ends with a "cancelled" `Result` at the next step; one still waiting
+        for a slot is dropped at once, with no event."""
+        waiting = any(r.id == id for r in self.engine.queue)
         self.engine.cancel(id)
+        if waiting:
+            self.pending.pop(id, None)
 
     def has_work(self) -> bool:
         return self.engine.has_work()
@@ -120,13 +147,16 @@ class Generation:
             p = self.pending.get(u.id)
             if p is None:
                 continue
+            before = len(p.text.tokens)
             delta = p.text.push(u.tokens, u.logprobs)  # tokens after a stop string are dropped
+            new_ids = p.text.tokens[before:]
+            new_logprobs = p.text.logprobs[before:] if p.want_logprobs else None
             if u.finish_reason is None:
                 if p.text.stopped and not p.cancelling:
                     self.engine.cancel(u.id)  # a stop string ended it: free the slot
                     p.cancelling = True
-                if delta:
-                    events.append(Event(u.id, delta))
+                if delta or new_ids:
+                    events.append(Event(u.id, delta, None, new_ids, new_logprobs))
                 continue
             if p.text.stopped:
                 reason, stop_reason = "stop", p.text.stops.stop_reason
@@ -143,8 +173,9 @@ class Generation:
                 prompt_tokens=p.prompt_tokens,
                 timings=u.timings or Timings(),
                 logprobs=p.text.logprobs if p.want_logprobs else None,
+                cached_tokens=u.cached_tokens,
             )
-            events.append(Event(u.id, delta, result))
+            events.append(Event(u.id, delta, result, new_ids, new_logprobs))
         return events
 
     def run(self) -> Iterator[Event]:

@@ -4,6 +4,10 @@ Each `step()` admits waiting requests into free slots (one `prefill` call per pr
 runs `decode_steps` decode steps for every slot and returns the new tokens of each request. A finished
 sequence frees its slot for the next request at once; nobody waits for the longest one.
 
+A prompt that starts with tokens some slot's cache already holds (a shared system prompt, the earlier
+turns of a conversation) reuses their keys/values and computes only the rest (`prefix.py`); the reused
+count is reported as `cached_tokens`.
+
 Multi-host: every process runs the same loop on the same requests in the same order; host inputs become
 global arrays and the small per-step outputs are replicated, so every process makes the same decisions.
 """
@@ -25,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.sharding import named_sharding
 from jaxllama.engine import kvcache
+from jaxllama.engine.prefix import ResidentPrefixes, shared_prefixes
 from jaxllama.engine.runtime import agreed_seed
 from jaxllama.engine.sampling import SamplerFlags, SamplingParams, SamplingRows
 from jaxllama.engine.step import DecodeState, decode, prefill
@@ -63,6 +68,7 @@ class Update:
     stop_token: int | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys/values were reused, not computed
     timings: Timings | None = None
 
 
@@ -73,12 +79,15 @@ class _Slot:
     generated: int = 0
     prefill_start: float = 0.0
     first_token: float = 0.0
+    cached: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far
 
 
 @dataclasses.dataclass
 class EngineStats:
     prefill_calls: int = 0
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # computed; cached ones are not
+    cached_tokens: int = 0
     prefill_s: float = 0.0
     decode_calls: int = 0
     decode_steps: int = 0
@@ -118,6 +127,7 @@ class Engine:
         self.stats = EngineStats()
         self.queue: collections.deque[Request] = collections.deque()
         self.active: dict[int, _Slot] = {}
+        self.prefixes = ResidentPrefixes(self.slots)
         self.cancelled: set[int] = set()
         self._compiled: dict = {}
         self._replicated = NamedSharding(mesh, PartitionSpec())
@@ -182,6 +192,7 @@ class Engine:
         for slot in sorted(self.cancelled):
             if slot in self.active:
                 s = self.active.pop(slot)
+                self._release(slot, s)
                 out.append(self._finished(s, [], [], "cancelled", None))
         self._keep = np.ones(self.slots, bool)
         for slot in self.cancelled:
@@ -196,55 +207,96 @@ class Engine:
             take.append(self.queue.popleft())
         if not take:
             return []
+        self._compute_shared_prefixes(take, free)
         by_bucket = collections.defaultdict(list)
         for r in take:
-            by_bucket[kvcache.prompt_bucket(len(r.prompt), self.max_context)].append(r)
+            reuse = self.prefixes.best(r.prompt)[1]
+            by_bucket[kvcache.prompt_bucket(len(r.prompt) - reuse, self.max_context)].append(r)
         updates = []
-        for length, group in sorted(by_bucket.items()):
-            slots = [free.pop(0) for _ in group]
-            self._keep[slots] = True  # a cancelled slot refilled now: the cancel must not hit its new request
-            updates += self._prefill(group, slots, length)
+        for _, group in sorted(by_bucket.items()):
+            rows = []
+            for r in group:
+                # Sources are chosen just before each call: the cache then holds what `prefixes` says.
+                source, start = self.prefixes.best(r.prompt)
+                slot = source if source in free else min(free, key=lambda i: len(self.prefixes.tokens[i]))
+                free.remove(slot)
+                rows.append((r, r.prompt[start:], start, source if source is not None else slot, slot))
+            updates += self._prefill(rows)
         return updates
 
-    def _prefill(self, group: list[Request], slots: list[int], length: int) -> list[Update]:
-        self._ensure_cache(length)
-        n = _pow2(len(group))
+    def _compute_shared_prefixes(self, requests: list[Request], free: list[int]) -> None:
+        """Prompts admitted together that share a prefix no slot holds: compute it once, into a free slot
+        that the first of them will then take."""
+        rows = []
+        for members, n in shared_prefixes([r.prompt for r in requests]):
+            if self.prefixes.best(requests[members[0]].prompt)[1] >= n or len(rows) == len(free):
+                continue
+            slot = sorted(free, key=lambda i: len(self.prefixes.tokens[i]))[len(rows)]
+            prefix = requests[members[0]].prompt[:n]
+            rows.append((Request(None, prefix, SamplingParams(temperature=0.0, max_tokens=1)), prefix, 0, slot, slot))
+        if rows:
+            self._prefill(rows, warm=True)
+
+    def _prefill(self, rows: list[tuple[Request, list[int], int, int, int]], warm: bool = False) -> list[Update]:
+        """rows: (request, tokens to compute, start position, source slot, destination slot). `warm`: only
+        fill the caches (shared prefixes); nothing is reported."""
+        q = kvcache.prompt_bucket(max(len(t) for _, t, *_ in rows), self.max_context)
+        needed = max(start + q for _, _, start, _, _ in rows)
+        span = q if all(start == 0 for _, _, start, _, _ in rows) else kvcache.bucket(needed, self.max_context)
+        self._ensure_cache(needed)
+        n = _pow2(len(rows))
         n = -(-n // self.mesh.shape["data"]) * self.mesh.shape["data"]
-        prompts = np.zeros((n, length), np.int32)
+        tokens = np.zeros((n, q), np.int32)
+        starts = np.zeros(n, np.int32)
         lengths = np.ones(n, np.int32)
+        sources = np.full(n, self.slots, np.int32)
         slot_ids = np.full(n, self.slots, np.int32)  # padding rows land nowhere
         stop_ids = np.full((n, MAX_STOP_IDS), -1, np.int32)
         params, seeds = [], []
-        for i, (r, slot) in enumerate(zip(group, slots, strict=True)):
-            prompts[i, : len(r.prompt)] = r.prompt
-            lengths[i], slot_ids[i] = len(r.prompt), slot
+        for i, (r, todo, start, source, slot) in enumerate(rows):
+            tokens[i, : len(todo)] = todo
+            lengths[i], starts[i], sources[i], slot_ids[i] = len(todo), start, source, slot
             ids = sorted(set(self.eos_ids) | set(r.params.stop_token_ids))
             stop_ids[i, : len(ids)] = ids
             params.append(r.params)
             seeds.append(r.params.seed if r.params.seed is not None else self._seeds.getrandbits(63))
-        params += [SamplingParams(temperature=0.0)] * (n - len(group))
-        seeds += [0] * (n - len(group))
-        rows = SamplingRows(**SamplingRows.from_params(params, seeds))
-        max_tokens = np.array([p.max_tokens for p in params], np.int32)
+        params += [SamplingParams(temperature=0.0)] * (n - len(rows))
+        seeds += [0] * (n - len(rows))
+        sampling = SamplingRows(**SamplingRows.from_params(params, seeds))
+        max_tokens = np.array([0 if warm else p.max_tokens for p in params], np.int32)
         limits = np.full(n, self.max_context, np.int32)
         flags = SamplerFlags.of(params)
-        args = (self.params, self.state, prompts, lengths, slot_ids, rows, max_tokens, limits, stop_ids)
-        fn = self._compile("prefill", functools.partial(prefill, config=self.config, flags=flags), args, flags)
+        seen = np.zeros((n, self.config.vocab_size if flags.penalize else 1), bool)
+        if flags.penalize:
+            for i, (r, *_) in enumerate(rows):
+                seen[i, r.prompt] = True
+        args = (self.params, self.state, tokens, starts, lengths, sources, slot_ids, seen, sampling, max_tokens)
+        args += (limits, stop_ids)
+        fn = self._compile(
+            "prefill", functools.partial(prefill, config=self.config, flags=flags, span=span), args, (flags, span)
+        )
         start = time.perf_counter()
-        self.state, tokens, logprobs, still = fn(*args[:2], *self._put(args[2:]))
-        tokens, logprobs, still = jax.device_get((tokens, logprobs, still))
+        self.state, first, logprobs, still = fn(*args[:2], *self._put(args[2:]))
+        first, logprobs, still = jax.device_get((first, logprobs, still))
         now = time.perf_counter()
         self.stats.prefill_calls += 1
-        self.stats.prefill_tokens += int(lengths[: len(group)].sum())
+        self.stats.prefill_tokens += int(lengths[: len(rows)].sum())
         self.stats.prefill_s += now - start
+        for r, _, _, _, slot in rows:
+            self._keep[slot] = True  # a cancelled slot refilled now: the cancel must not hit its new request
+            self.prefixes.hold(slot, r.prompt)
+        if warm:
+            return []
         updates = []
-        for i, (r, slot) in enumerate(zip(group, slots, strict=True)):
-            s = _Slot(r, length=len(r.prompt), generated=1, prefill_start=start, first_token=now)
-            tok, lp = int(tokens[i]), float(logprobs[i])
+        for i, (r, _, cached, _, slot) in enumerate(rows):
+            self.stats.cached_tokens += cached
+            tok, lp = int(first[i]), float(logprobs[i])
+            s = _Slot(r, len(r.prompt), 1, start, now, cached, [tok])
             if still[i]:
                 self.active[slot] = s
-                updates.append(Update(r.id, [tok], [lp], prompt_tokens=len(r.prompt)))
+                updates.append(Update(r.id, [tok], [lp], prompt_tokens=len(r.prompt), cached_tokens=cached))
             else:
+                self._release(slot, s)
                 updates.append(self._finished(s, [tok], [lp], *self._reason(s, tok)))
         return updates
 
@@ -276,14 +328,20 @@ class Engine:
             toks = [int(t) for t in tokens[steps, slot]]
             lps = [float(x) for x in logprobs[steps, slot]]
             s.generated += len(toks)
+            s.tokens += toks
             self.stats.generated_tokens += len(toks)
             reason, stop_token = self._reason(s, toks[-1] if toks else None)
             if reason is None:
                 updates.append(Update(s.request.id, toks, lps))
             else:
                 del self.active[slot]
+                self._release(slot, s)
                 updates.append(self._finished(s, toks, lps, reason, stop_token))
         return updates
+
+    def _release(self, slot: int, s: _Slot) -> None:
+        """The slot is free; its cache keeps the sequence (all but the last token, never fed back)."""
+        self.prefixes.hold(slot, s.request.prompt + s.tokens[:-1])
 
     def _reason(self, s: _Slot, last: int | None) -> tuple[str | None, int | None]:
         """Mirror of the device's end-of-generation test, to tell why a slot stopped."""
@@ -313,6 +371,7 @@ class Engine:
             stop_token,
             prompt_tokens=len(r.prompt),
             completion_tokens=s.generated,
+            cached_tokens=s.cached,
             timings=timings,
         )
 
@@ -344,7 +403,10 @@ class Engine:
         )
 
     def _ensure_cache(self, needed: int) -> None:
-        """Grow the cache to hold `needed` positions, or shrink it when far more than needed."""
+        """Grow the cache to hold `needed` positions (and every active sequence's next steps), or shrink it
+        when far more than that."""
+        for s in self.active.values():
+            needed = max(needed, s.length + s.generated + self.decode_steps)
         current = self.state.cache[0][0].shape[2]
         target = kvcache.bucket(needed, self.max_context)
         if target > current or target <= current // 4:
@@ -356,6 +418,7 @@ class Engine:
                 out_shardings=[(sharding, sharding)] * self.config.n_layers,
             )
             self.state = dataclasses.replace(self.state, cache=resize(self.state.cache, target))
+            self.prefixes.truncate(target)
             self.stats.cache_resizes += 1
             self.stats.decode_s += time.perf_counter() - start
 

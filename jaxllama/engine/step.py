@@ -1,6 +1,7 @@
 """The engine's jitted core, pure functions over a `DecodeState` pytree (donated and returned):
 
-- `prefill`: run new prompts, sample their first tokens and insert them into free decode slots;
+- `prefill`: run new prompts (or the part of them past a prefix another slot holds), sample their first
+  tokens and insert them into free decode slots;
 - `decode`: advance every slot by `n_steps` tokens, checking end of generation on device.
 
 Shapes are static per call: prompts padded to a length bucket and a row-count bucket, the cache to a
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllama.core.config import ModelConfig
-from jaxllama.core.model import KVCache, empty_cache, forward
+from jaxllama.core.model import KVCache, forward
 from jaxllama.engine.sampling import SamplerFlags, SamplingRows, sample
 
 
@@ -88,9 +89,12 @@ def decode(params, state: DecodeState, keep, *, config: ModelConfig, n_steps: in
 def prefill(
     params,
     state: DecodeState,
-    prompts,
+    tokens,
+    starts,
     lengths,
+    sources,
     slots,
+    seen,
     new_rows: SamplingRows,
     max_tokens,
     limits,
@@ -98,26 +102,36 @@ def prefill(
     *,
     config: ModelConfig,
     flags: SamplerFlags,
+    span: int,
 ):
-    """Run prompts [n, p] (lengths [n]) and put them in decode slots [n] (index >= slots: padding row).
+    """Run prompts and put them in decode slots.
+
+    Row i computes prompt tokens [starts[i], starts[i] + lengths[i]) given in tokens [n, q] (padded): its
+    first starts[i] positions come from the cache of slot sources[i], which holds the same prefix (prefix
+    reuse; starts[i] = 0 for a fresh prompt). The row's cache (`span` positions) then lands in slot
+    slots[i] (index >= slots: a padding row, dropped). seen [n, vocab]: the whole prompt's tokens, for the
+    repetition penalty (or [n, 1] when no row uses penalties).
 
     Returns (state, first tokens [n], logprobs [n], active [n]: false when the first token already ended it).
     """
-    n, p = prompts.shape
-    cache = empty_cache(config, n, p, state.cache[0][0].dtype)
-    positions = jnp.broadcast_to(jnp.arange(p), (n, p))
-    logits, cache = forward(params, config, prompts, positions, cache, logits_at=lengths - 1)
+    n, q = tokens.shape
+    cache = [
+        (jnp.take(k[:, :, :span], sources, axis=0, mode="clip"), jnp.take(v[:, :, :span], sources, axis=0, mode="clip"))
+        for k, v in state.cache
+    ]
+    positions = starts[:, None] + jnp.arange(q)[None, :]
+    logits, cache = forward(params, config, tokens, positions, cache, logits_at=lengths - 1)
 
     vocab = state.counts.shape[1]
-    valid = jnp.arange(p)[None, :] < lengths[:, None]
-    seen = jnp.zeros((n, vocab), bool).at[jnp.arange(n)[:, None], prompts].max(valid)
+    if seen.shape[1] != vocab:
+        seen = jnp.zeros((n, vocab), bool)
     zeros = jnp.zeros((n,), jnp.int32)
-    tokens, logprobs = sample(logits, new_rows, zeros, flags, jnp.zeros((n, vocab), jnp.int32), seen)
+    first, logprobs = sample(logits, new_rows, zeros, flags, jnp.zeros((n, vocab), jnp.int32), seen)
 
     fresh = DecodeState(
         cache=[],
-        tokens=tokens,
-        positions=lengths - 1,
+        tokens=jnp.full((n,), -1, jnp.int32),
+        positions=starts + lengths - 1,
         active=jnp.ones((n,), bool),
         remaining=max_tokens,
         limit=limits,
@@ -128,16 +142,15 @@ def prefill(
         seen=seen,
     )
     # The first token is sampled as if from a decode step at the prompt's last position.
-    fresh = dataclasses.replace(fresh, tokens=jnp.full((n,), -1, jnp.int32))
-    fresh = _advance(fresh, tokens, logprobs, jnp.ones((n,), bool))
+    fresh = _advance(fresh, first, logprobs, jnp.ones((n,), bool))
 
     def put(big, small):
         return big.at[slots].set(small.astype(big.dtype), mode="drop")
 
     new_cache = [
         (
-            k.at[slots, :, :p].set(nk.astype(k.dtype), mode="drop"),
-            v.at[slots, :, :p].set(nv.astype(v.dtype), mode="drop"),
+            k.at[slots, :, :span].set(nk.astype(k.dtype), mode="drop"),
+            v.at[slots, :, :span].set(nv.astype(v.dtype), mode="drop"),
         )
         for (k, v), (nk, nv) in zip(state.cache, cache, strict=True)
     ]
@@ -151,4 +164,4 @@ def prefill(
     state = DecodeState(
         cache=new_cache, rows=jax.tree.map(put, state.rows, new_rows), stop_ids=put(state.stop_ids, stop_ids), **fields
     )
-    return state, tokens, logprobs, fresh.active
+    return state, first, logprobs, fresh.active

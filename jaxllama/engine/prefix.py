@@ -1,0 +1,72 @@
+"""Prefix reuse: which tokens' keys and values each decode slot holds, and which slot a new prompt can
+start from.
+
+A slot's cache keeps the keys/values of its sequence after the request is gone, until the slot is
+refilled. A new prompt that shares a prefix with any slot's sequence (a system prompt, the earlier turns of
+a conversation) copies those positions from that slot and computes only the rest. Prompts admitted
+together that share a prefix none of the slots holds get it computed once (`shared_prefixes`).
+
+Plain Python over token lists: every process of a multi-host run makes the same choices.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+MIN_REUSE = 8  # tokens: below this, computing the prefix again costs less than the bookkeeping
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+class ResidentPrefixes:
+    """Per slot: the token ids whose keys/values sit at positions 0.. of that slot's cache."""
+
+    def __init__(self, slots: int):
+        self.tokens = [np.zeros(0, np.int32) for _ in range(slots)]
+
+    def hold(self, slot: int, tokens: Sequence[int]) -> None:
+        """The slot's cache now holds exactly these tokens' keys/values."""
+        self.tokens[slot] = np.asarray(tokens, np.int32)
+
+    def truncate(self, length: int) -> None:
+        """The cache was cut to `length` positions."""
+        self.tokens = [t[:length] for t in self.tokens]
+
+    def best(self, prompt: Sequence[int], exclude: frozenset[int] = frozenset()) -> tuple[int | None, int]:
+        """(slot, n): the slot holding the longest prefix of `prompt` and its length, at most len(prompt) - 1
+        (the last prompt token is always computed: it gives the first token's logits); (None, 0) if no slot
+        holds at least MIN_REUSE tokens of it."""
+        p = np.asarray(prompt, np.int32)[: len(prompt) - 1]
+        best_slot, best_n = None, MIN_REUSE - 1
+        for slot, held in enumerate(self.tokens):
+            if slot in exclude or len(held) <= best_n:
+                continue
+            n = common_prefix(p, held)
+            if n > best_n:
+                best_slot, best_n = slot, n
+        return (best_slot, best_n) if best_slot is not None else (None, 0)
+
+
+def shared_prefixes(prompts: Sequence[Sequence[int]], min_length: int = 16) -> list[tuple[list[int], int]]:
+    """Groups of prompts (indices, prefix length) that share a prefix of at least `min_length` tokens,
+    shorter than each of them: computing it once for the group pays."""
+    by_head: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prompts):
+        if len(p) > min_length:
+            by_head.setdefault(tuple(p[:min_length]), []).append(i)
+    groups = []
+    for members in by_head.values():
+        if len(members) < 2:
+            continue
+        n = len(os.path.commonprefix([list(prompts[i]) for i in members]))
+        n = min(n, min(len(prompts[i]) for i in members) - 1)
+        if n >= min_length:
+            groups.append((members, n))
+    return groups

@@ -1,0 +1,102 @@
+"""Prefix reuse: prompts that share a prefix with what a slot holds, or with each other, compute only the rest
+and still give exactly the tokens of the full-sequence forward."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxllama.core.sharding import make_mesh
+from jaxllama.engine.engine import Engine, Request
+from jaxllama.engine.prefix import ResidentPrefixes, shared_prefixes
+from jaxllama.engine.sampling import SamplingParams
+from tests.engine.test_engine import EOS, reference_greedy, run
+
+
+def _engine(tiny, spec="data=1,model=1", devices=1, **kw):
+    config, params = tiny
+    mesh = make_mesh(config, spec, jax.devices()[:devices])
+    return Engine(config, params, mesh, eos_ids=[EOS], **kw)
+
+
+def _greedy(i, prompt, max_tokens=12):
+    return Request(i, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+
+def test_resident_prefixes_choose_the_longest_and_leave_one_token_to_compute():
+    held = ResidentPrefixes(3)
+    held.hold(0, list(range(10, 30)))
+    held.hold(1, list(range(10, 50)))
+    assert held.best(list(range(10, 40)) + [7]) == (1, 30)
+    assert held.best(list(range(10, 30))) == (0, 19)  # the whole prompt is held: its last token is recomputed
+    assert held.best([1, 2, 3] + list(range(10, 40))) == (None, 0)
+    assert held.best(list(range(10, 40)), exclude=frozenset({1})) == (0, 20)
+    held.truncate(12)
+    assert held.best(list(range(10, 40))) == (0, 12)
+    assert held.best(list(range(10, 15)) + [99]) == (None, 0)  # 5 tokens: below MIN_REUSE
+
+
+def test_shared_prefixes_groups_prompts_by_their_common_start():
+    system = list(range(3, 23))
+    prompts = [system + [40, 41], system + [50], [9] * 30, system[:10] + [1] * 20, system + [40, 42, 43]]
+    assert shared_prefixes(prompts) == [([0, 1, 4], 20)]
+    assert shared_prefixes([system, system]) == [([0, 1], 19)]  # identical prompts: all but the last token
+
+
+def test_prompts_admitted_together_share_their_prefix(tiny):
+    config, params = tiny
+    rng = np.random.default_rng(3)
+    system = rng.integers(3, 131, 37).tolist()
+    prompts = [system + rng.integers(3, 131, int(n)).tolist() for n in (1, 5, 9, 14, 30)]
+    engine = _engine(tiny, max_slots=8)
+    tokens, finals = run(engine, [_greedy(i, p) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        assert tokens[i] == reference_greedy(config, params, p, 12), i
+        assert finals[i].cached_tokens == len(system)
+    assert engine.stats.cached_tokens == len(system) * len(prompts)
+    # the shared part was computed once: 37 tokens plus each prompt's own tail
+    assert engine.stats.prefill_tokens == len(system) + sum(len(p) - len(system) for p in prompts)
+
+
+def test_a_later_turn_reuses_the_earlier_one_across_meshes(tiny):
+    """The second turn's prompt is the first prompt, its answer, and more: all but the new part is reused,
+    on a mesh whose model axis splits the KV heads and data axis splits the slots."""
+    config, params = tiny
+    rng = np.random.default_rng(4)
+    first = rng.integers(3, 131, 25).tolist()
+    for spec, devices in (("data=1,model=1", 1), ("data=2,model=2", 4)):
+        engine = _engine(tiny, spec, devices, max_slots=4)
+        turn_one = run(engine, [_greedy("a", first, 20)])[0]["a"]
+        assert turn_one == reference_greedy(config, params, first, 20)
+        answer = turn_one if turn_one[-1] != EOS else turn_one[:-1]
+        second = first + answer + rng.integers(3, 131, 6).tolist()
+        other = rng.integers(3, 131, 30).tolist()  # shares nothing: computed in full alongside
+        tokens, finals = run(engine, [_greedy("b", second), _greedy("c", other)])
+        assert tokens["b"] == reference_greedy(config, params, second, 12), spec
+        assert tokens["c"] == reference_greedy(config, params, other, 12), spec
+        # the slot holds all but the last token of turn one (never fed back) unless that was the end token
+        assert finals["b"].cached_tokens == len(first) + len(answer) - (answer == turn_one)
+        assert finals["c"].cached_tokens == 0
+
+
+def test_reuse_keeps_penalties_and_seeds_exact(tiny):
+    """A prefix taken from the cache still counts as seen for the repetition penalty, and a seeded sample
+    does not depend on whether the prefix was reused."""
+    rng = np.random.default_rng(5)
+    system = rng.integers(3, 131, 30).tolist()
+    prompts = [system + rng.integers(3, 131, 4).tolist() for _ in range(3)]
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=11, repetition_penalty=1.5, presence_penalty=0.5)
+
+    def outputs(requests_per_run):
+        engine = _engine(tiny, max_slots=4)
+        out = {}
+        for batch in requests_per_run:
+            out.update(run(engine, [Request(i, prompts[i], params) for i in batch])[0])
+        return out, engine.stats.cached_tokens
+
+    alone, cached_alone = outputs([[0], [1], [2]])  # each after the previous: reuses the held prefix
+    fresh = {}
+    for i in range(3):  # a new engine each: nothing to reuse
+        fresh.update(outputs([[i]])[0])
+    assert cached_alone == 2 * len(system)
+    assert alone == fresh
