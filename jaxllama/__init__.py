@@ -6,7 +6,8 @@ Layers, each importing only from the ones above it in this list:
   checkpoint files);
 - ``jaxllama.text``   tokenizers, chat templates, end-of-generation ids, stop strings (plain Python, no jax);
 - ``jaxllama.engine`` KV cache, sampling, continuous batching (builds on core);
-- ``jaxllama.llm``, ``jaxllama.batch``, ``jaxllama.server``  user-facing APIs (engine + text);
+- ``jaxllama.llm``, ``jaxllama.batch``, ``jaxllama.server``  user-facing APIs (engine + text), with
+  ``jaxllama.protocol``, the OpenAI request and response shapes the batch runner and the server share;
 - ``jaxllama.cli``    the ``jaxllama`` command.
 
 Heavy imports (jax) happen lazily so that ``jaxllama.text`` stays importable without them.

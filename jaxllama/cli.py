@@ -1,6 +1,7 @@
-"""The `jaxllama` command: `run` a batch job, `info` about a checkpoint, `chat` in the terminal.
+"""The `jaxllama` command: `run` a batch job, `serve` the OpenAI API, `info` about a checkpoint, `chat` in the terminal.
 
 jaxllama run jobs/eval.jsonl [--model PATH] [--output OUT.jsonl] ...
+jaxllama serve [--model PATH] [--host 127.0.0.1] [--port 8000] ...
 jaxllama info [PATH]
 jaxllama chat [--model PATH]
 """
@@ -158,6 +159,51 @@ def run(
         sys.exit(1)
 
 
+def serve(
+    model: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    mesh: str | None = None,
+    served_model_name: str | None = None,
+    max_tokens: int | None = None,
+    eos_id=None,
+    chat_template: str | None = None,
+    max_batch: int = 32,
+    max_queue: int = 256,
+    max_context: int | None = None,
+    decode_steps: int | None = None,
+    log_level: str = "info",
+):
+    """Serve the OpenAI API: POST /v1/chat/completions and /v1/completions (streamed with "stream": true),
+    GET /v1/models, /health and /metrics (Prometheus). Concurrent requests share the engine's slots.
+
+    Args:
+      model: a converted checkpoint folder (default: SmolLM2-135M-Instruct, converted on first use).
+      host: the address to listen on.
+      port: the port to listen on.
+      mesh: device mesh, e.g. data=2,model=4 (default: chosen from the devices and the model).
+      served_model_name: the model's name in /v1/models and in answers (default: the checkpoint folder's).
+      max_tokens: tokens per answer when a request does not say (default: up to the context limit).
+      eos_id: an extra end-of-generation token id (repeatable).
+      chat_template: a built-in template (llama2, llama3, chatml, raw) or a .jinja file.
+      max_batch: decode slots: requests generated at once.
+      max_queue: requests waiting for a slot at most; one more is answered 429.
+      max_context: context limit (prompt + completion), at most the model's.
+      decode_steps: decode steps per host round trip.
+      log_level: uvicorn's log level (debug, info, warning, error).
+    """
+    import uvicorn
+
+    from jaxllama.server.app import create_app
+
+    try:
+        llm = _common_setup(model, mesh, chat_template, eos_id, max_batch, max_context, None, None, None, decode_steps)
+        app = create_app(llm, model_name=served_model_name, max_queue=max_queue, max_tokens=max_tokens)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        _fail(str(e))
+    uvicorn.run(app, host=host, port=int(port), log_level=log_level)
+
+
 def info(path: str | None = None):
     """Describe a checkpoint: config, parameter count, dtype, tokenizer, chat template, end-of-generation ids.
 
@@ -267,7 +313,7 @@ def _merge_repeated(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = _merge_repeated(list(sys.argv[1:] if argv is None else argv))
-    fire.Fire({"run": run, "info": info, "chat": chat}, command=argv, name="jaxllama")
+    fire.Fire({"run": run, "serve": serve, "info": info, "chat": chat}, command=argv, name="jaxllama")
 
 
 if __name__ == "__main__":

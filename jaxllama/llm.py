@@ -145,7 +145,15 @@ class LLM:
         )
 
     def encode_chat(self, messages, **kwargs) -> list[int]:
+        """The prompt token ids of a conversation: the chat template applied (with the generation prompt),
+        then tokenized."""
         return encode_chat(self.tokenizer, self.template, validate_messages(messages), **kwargs)
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """The prompt token ids of a plain text prompt: BOS in front if the model's tokenizer adds one (or as
+        `add_bos` says); special-token text in `text` stays plain text."""
+        add_bos = self.tokenizer.add_bos if add_bos is None else add_bos
+        return self.tokenizer.encode(text, add_bos=add_bos, allow_special=False)
 
     # ---- generation ------------------------------------------------------------------------------
 
@@ -170,13 +178,9 @@ class LLM:
         >>> llm.generate("The capital of France is", max_tokens=5, temperature=0).text  # doctest: +SKIP
         ' Paris.'
         """
-        add_bos = self.tokenizer.add_bos if add_bos is None else add_bos
         single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
         prompts = [prompt] if single else list(prompt)
-        ids = [
-            p if not isinstance(p, str) else self.tokenizer.encode(p, add_bos=add_bos, allow_special=False)
-            for p in prompts
-        ]
+        ids = [p if not isinstance(p, str) else self.encode(p, add_bos=add_bos) for p in prompts]
         return self._run(ids, single, stream, stop, include_stop, logprobs, sampling)
 
     def chat(

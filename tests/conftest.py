@@ -45,3 +45,13 @@ def smollm2_checkpoint(smollm2_path, tmp_path_factory) -> Path:
     from converters.llama import convert
 
     return convert(smollm2_path, tmp_path_factory.mktemp("smollm2") / "ckpt", progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random ChatML model (see tests/factories.py: write_chat_gguf), converted once per test session."""
+    from converters.llama import convert
+    from tests.factories import write_chat_gguf
+
+    tmp = tmp_path_factory.mktemp("tiny-chat")
+    return convert(write_chat_gguf(tmp / "m.gguf"), tmp / "ckpt", progress=False)

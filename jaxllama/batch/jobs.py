@@ -8,22 +8,8 @@ import json
 from typing import Any
 
 from jaxllama.engine.sampling import SamplingParams
-from jaxllama.text.conversation import ConversationError, validate_messages
+from jaxllama.protocol.requests import RequestError, parse_body
 
-# Per-line parameter -> SamplingParams field.
-PARAMETERS = {
-    "max_tokens": "max_tokens",
-    "max_completion_tokens": "max_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "seed": "seed",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "repetition_penalty": "repetition_penalty",
-    "stop_token_ids": "stop_token_ids",
-}
 OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
@@ -105,46 +91,11 @@ def parse_line(
         else:
             raise LineError("invalid_request", "a line needs 'messages' (chat) or 'prompt' (completion)", number)
 
-    if body.get("n", 1) != 1:
-        raise LineError("invalid_parameter", "n: only n=1 is supported", number)
-    messages = prompt = None
-    if kind == "chat":
-        try:
-            messages = validate_messages(body.get("messages"))
-        except ConversationError as e:
-            raise LineError("invalid_messages", str(e), number) from None
-        if system_prompt and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": system_prompt}, *messages]
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise LineError("invalid_request", f"prompt: must be a string, got {type(prompt).__name__}", number)
-    params, stop = _sampling(body, defaults, default_stop, number)
-    model = body.get("model") if isinstance(body.get("model"), str) else None
-    return JobLine(number, rid, kind, openai, messages, prompt, params, stop, model)
-
-
-def _sampling(body: dict, defaults: SamplingParams, default_stop: list[str], number: int):
-    overrides = {}
-    for key, field in PARAMETERS.items():
-        if key in body and body[key] is not None:
-            value = body[key]
-            if field == "stop_token_ids":
-                if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
-                    raise LineError("invalid_parameter", f"{key}: must be a list of integers", number)
-                value = tuple(value)
-            overrides[field] = value
     try:
-        params = dataclasses.replace(defaults, **overrides)
-    except ValueError as e:
-        raise LineError("invalid_parameter", str(e), number) from None
-    except TypeError as e:
-        raise LineError("invalid_parameter", str(e), number) from None
-    stop = body.get("stop", default_stop)
-    if stop is None:
-        stop = []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise LineError("invalid_parameter", "stop: must be a non-empty string or a list of them", number)
-    return params, stop
+        parsed = parse_body(body, kind, defaults, default_stop)
+    except RequestError as e:
+        raise LineError(e.code, e.message, number) from None
+    messages = parsed.messages
+    if messages is not None and system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return JobLine(number, rid, kind, openai, messages, parsed.prompt, parsed.params, parsed.stop, parsed.model)

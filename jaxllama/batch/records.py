@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-import time
 import uuid
 
 from jaxllama.batch.jobs import JobLine, LineError
 from jaxllama.generation import Result
-
-
-def _timings(result: Result) -> dict:
-    return {k: round(v, 3) for k, v in dataclasses.asdict(result.timings).items()}
+from jaxllama.protocol import responses
 
 
 def success(job: JobLine, result: Result, model_name: str) -> dict:
@@ -23,41 +18,17 @@ def success(job: JobLine, result: Result, model_name: str) -> dict:
     else:
         record["text"] = result.text
     record.update(
-        finish_reason=result.finish_reason, stop_reason=result.stop_reason, usage=result.usage, timings=_timings(result)
+        finish_reason=result.finish_reason,
+        stop_reason=result.stop_reason,
+        usage=result.usage,
+        timings=responses.timings(result),
     )
     return record
 
 
 def _openai_success(job: JobLine, result: Result, model_name: str) -> dict:
-    request_id = uuid.uuid4().hex
-    created = int(time.time())
-    model = job.model or model_name
-    if job.kind == "chat":
-        body = {
-            "id": f"chatcmpl-{request_id}",
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": result.text},
-                    "logprobs": None,
-                    "finish_reason": result.finish_reason,
-                }
-            ],
-        }
-    else:
-        body = {
-            "id": f"cmpl-{request_id}",
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}],
-        }
-    body["usage"] = result.usage
-    body["stop_reason"] = result.stop_reason
-    body["timings"] = _timings(result)
+    body = responses.completion(job.kind, result, job.model or model_name)
+    request_id = body["id"].split("-", 1)[1]
     return {
         "id": f"batch_req_{request_id}",
         "custom_id": job.id,
@@ -69,15 +40,8 @@ def _openai_success(job: JobLine, result: Result, model_name: str) -> dict:
 def failure(error: LineError, rid, openai: bool) -> dict:
     if openai:
         request_id = uuid.uuid4().hex
-        body = {
-            "error": {
-                "message": error.message,
-                "type": "invalid_request_error",
-                "param": None,
-                "code": error.code,
-                "line": error.line,
-            }
-        }
+        body = responses.error(error.message, error.code)
+        body["error"]["line"] = error.line
         return {
             "id": f"batch_req_{request_id}",
             "custom_id": rid,

@@ -19,7 +19,7 @@ from jaxllama.batch.jobs import JobLine, LineError, line_id, parse_line
 from jaxllama.batch.progress import Progress
 from jaxllama.engine.runtime import broadcast_from_main
 from jaxllama.engine.sampling import SamplingParams
-from jaxllama.text.chat_template import ChatTemplateError
+from jaxllama.protocol.requests import submit_error
 
 
 @dataclasses.dataclass
@@ -144,15 +144,14 @@ def run_job(
             raw = lines[number - 1]
             try:
                 line = parse_line(raw, number, defaults, stop, system_prompt)
-                prompt = (
-                    llm.encode_chat(line.messages)
-                    if line.kind == "chat"
-                    else llm.tokenizer.encode(line.prompt, add_bos=llm.tokenizer.add_bos, allow_special=False)
-                )
+                prompt = llm.encode_chat(line.messages) if line.kind == "chat" else llm.encode(line.prompt)
                 llm.generation.submit(number, prompt, line.params, line.stop)
                 jobs[number] = line
-            except (LineError, ChatTemplateError, ValueError) as e:
-                error = e if isinstance(e, LineError) else LineError(_code(e), str(e), number)
+            except LineError as e:
+                finish(number, records.failure(e, line_id(raw, number), '"custom_id"' in raw), ok=False)
+            except ValueError as e:  # ChatTemplateError is a ValueError too
+                error = submit_error(e, line.kind)
+                error = LineError(error.code, error.message, number)
                 finish(number, records.failure(error, line_id(raw, number), '"custom_id"' in raw), ok=False)
             flush()
         model_name = llm.path.name if llm.path else "jaxllama"
@@ -170,15 +169,6 @@ def run_job(
         progress.close()
     stats.wall_s = time.perf_counter() - start
     return stats, summary(stats, llm, engine_stats_before)
-
-
-def _code(e: Exception) -> str:
-    text = str(e)
-    if "context limit" in text:
-        return "context_length_exceeded"
-    if isinstance(e, ChatTemplateError):
-        return "template_error"
-    return "invalid_parameter" if "=" in text.split(":")[0] else "invalid_request"
 
 
 def _skipped_lines(lines: list[str], done: set) -> np.ndarray:

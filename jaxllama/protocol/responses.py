@@ -1,0 +1,117 @@
+"""OpenAI response objects: chat completions, text completions, their streamed chunks, and errors.
+
+Plain dicts in the shapes of OpenAI's API (what its `openai` client parses), with two additions that
+clients ignore: `stop_reason` on a choice (the stop string or token id that ended it) and `timings`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+
+from jaxllama.generation import Result
+
+
+def new_id(kind: str) -> str:
+    """A fresh response id: "chatcmpl-..." for chat, "cmpl-..." for completions."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def timings(result: Result) -> dict:
+    return {k: round(v, 3) for k, v in dataclasses.asdict(result.timings).items()}
+
+
+def completion(kind: str, result: Result, model: str, *, id: str | None = None, logprobs: dict | None = None) -> dict:
+    """The whole answer: a `chat.completion` (kind "chat") or a `text_completion` (kind "completion")."""
+    choice = {"index": 0}
+    if kind == "chat":
+        choice["message"] = {"role": "assistant", "content": result.text}
+    else:
+        choice["text"] = result.text
+    choice.update(logprobs=logprobs, finish_reason=result.finish_reason, stop_reason=result.stop_reason)
+    return {
+        "id": id or new_id(kind),
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": result.usage,
+        "timings": timings(result),
+    }
+
+
+def chunk(
+    kind: str,
+    id: str,
+    created: int,
+    model: str,
+    text: str | None = None,
+    *,
+    role: bool = False,
+    finish_reason: str | None = None,
+    stop_reason: str | int | None = None,
+    logprobs: dict | None = None,
+    usage: dict | None = None,
+    include_usage: bool = False,
+) -> dict:
+    """One streamed piece: a `chat.completion.chunk` or a `text_completion` with one choice. `role` opens a chat
+    stream; `finish_reason` closes the choice. With `include_usage` every chunk has "usage" (null but in the
+    last one, which has no choices: see `usage_chunk`)."""
+    if kind == "chat":
+        delta = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta}
+    else:
+        choice = {"index": 0, "text": text or ""}
+    choice.update(logprobs=logprobs, finish_reason=finish_reason)
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+    out = {
+        "id": id,
+        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+    if include_usage:
+        out["usage"] = usage
+    return out
+
+
+def usage_chunk(kind: str, id: str, created: int, model: str, result: Result) -> dict:
+    """The last chunk of a stream asked with `stream_options.include_usage`: no choices, the usage."""
+    return {
+        "id": id,
+        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": result.usage,
+        "timings": timings(result),
+    }
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
+    """Chat `logprobs` of sampled tokens (given as text): their log-probabilities, no alternatives."""
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+            for t, lp in zip(tokens, logprobs, strict=True)
+        ]
+    }
+
+
+def text_logprobs(tokens: list[str], logprobs: list[float], offset: int = 0) -> dict:
+    """Completion `logprobs` of sampled tokens (given as text), starting at character `offset` of the answer."""
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+
+
+def error(message: str, code: str | None = None, param: str | None = None, type: str = "invalid_request_error") -> dict:
+    """The OpenAI error object: `{"error": {"message", "type", "param", "code"}}`."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}

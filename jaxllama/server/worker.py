@@ -1,0 +1,301 @@
+"""The engine thread: one thread owns the `Generation` (which is not thread-safe) and steps it while there is
+work; the HTTP handlers talk to it only through a thread-safe inbox.
+
+Requests from every connection go into the same engine, so continuous batching runs them together. Each
+request's events go back to its handler through a callback; `RequestStream` turns them into an
+`asyncio.Queue` on the handler's event loop (fed with `loop.call_soon_threadsafe`). A request that nobody
+waits for any more is cancelled, which frees its slot at the next step.
+
+Admission control: at most `slots + max_queue` requests are in flight (running or waiting for a slot); one
+more is refused at once with `QueueFull`, never left to hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from jaxllama.engine.sampling import SamplingParams
+from jaxllama.generation import Event, Generation
+
+
+class QueueFull(Exception):
+    """Every slot is busy and `max_queue` requests are already waiting."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine thread is not running: stopped, or failed (the message says why)."""
+
+
+@dataclasses.dataclass
+class _Submit:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    stop: list[str]
+    logprobs: bool
+    deliver: Callable[[object], None]
+    submitted: float
+
+
+@dataclasses.dataclass
+class _Cancel:
+    id: int
+
+
+@dataclasses.dataclass
+class _Pause:
+    paused: bool
+
+
+_STOP = object()
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """A request the engine thread is running: where its events go (None once its client is gone)."""
+
+    deliver: Callable[[object], None] | None
+    submitted: float
+    last_token: float | None = None
+
+
+class EngineWorker:
+    """Runs a `Generation` on its own thread for callers on other threads.
+
+    `metrics` (a `jaxllama.server.metrics.Metrics`, optional) is told about accepted prompts, first tokens,
+    later tokens and finished requests.
+    """
+
+    def __init__(self, generation: Generation, *, slots: int, max_queue: int = 256, metrics=None):
+        if max_queue < 0:
+            raise ValueError(f"max_queue={max_queue}: must be >= 0")
+        self.generation, self.slots, self.max_queue, self.metrics = generation, slots, max_queue, metrics
+        self.error: BaseException | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._ids = itertools.count(1)
+        self._tracked: dict[int, _Tracked] = {}  # engine thread only
+        self._paused = False  # engine thread only
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    # ---- any thread -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="jaxllama-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float | None = 30) -> None:
+        """Stop the thread after its current step; requests still in flight get `EngineUnavailable`."""
+        with self._lock:
+            self._stopped = True
+        if self._thread is not None:
+            self._inbox.put(_STOP)
+            self._thread.join(timeout)
+
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        stop: list[str],
+        logprobs: bool,
+        deliver: Callable[[object], None],
+    ) -> int:
+        """Queue a request and return its id. `deliver` is called on the engine thread with each `Event` of the
+        request, in order (the last one carries the `Result`), or once with the exception that ended it (a
+        ValueError if it can never run, `EngineUnavailable`). Raises `QueueFull` or `EngineUnavailable` at once."""
+        with self._lock:
+            if self.error is not None:
+                raise EngineUnavailable(f"the engine failed: {self.error!r}")
+            if self._stopped or self._thread is None:
+                raise EngineUnavailable("the engine is not running")
+            if self._in_flight >= self.slots + self.max_queue:
+                raise QueueFull(
+                    f"the server is busy: {self._in_flight} requests are running or waiting "
+                    f"({self.slots} slots, at most {self.max_queue} waiting); retry later"
+                )
+            self._in_flight += 1
+            rid = next(self._ids)
+        self._inbox.put(_Submit(rid, list(prompt), params, list(stop), logprobs, deliver, time.perf_counter()))
+        return rid
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request (its client is gone): no more events are delivered, and its slot is freed."""
+        self._inbox.put(_Cancel(request_id))
+
+    def pause(self) -> None:
+        """Hold the engine after its current step: requests are accepted and wait (counting against
+        `max_queue`) until `resume`. For maintenance, and for tests of a full queue."""
+        self._inbox.put(_Pause(True))
+
+    def resume(self) -> None:
+        self._inbox.put(_Pause(False))
+
+    @property
+    def in_flight(self) -> int:
+        """Requests accepted and not finished: running in a slot or waiting for one."""
+        return self._in_flight
+
+    @property
+    def running(self) -> int:
+        """Requests holding a slot of the engine."""
+        return len(self.generation.engine.active)
+
+    @property
+    def waiting(self) -> int:
+        return max(0, self._in_flight - self.running)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # ---- the engine thread ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                busy = self.generation.has_work() and not self._paused
+                if not self._take_commands(block=not busy):
+                    break
+                if self._paused or not self.generation.has_work():
+                    continue
+                events = self.generation.step()
+                now = time.perf_counter()
+                for event in events:
+                    self._dispatch(event, now)
+        except BaseException as e:  # noqa: BLE001 - reported to every waiting request and by /health
+            self.error = e
+            raise
+        finally:
+            reason = f"the engine failed: {self.error!r}" if self.error else "the server stopped"
+            self._fail_all(EngineUnavailable(reason))
+
+    def _take_commands(self, block: bool) -> bool:
+        """Apply the inbox's commands (waiting for one if `block`); False when told to stop."""
+        try:
+            command = self._inbox.get() if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if command is _STOP:
+                return False
+            if isinstance(command, _Submit):
+                self._admit(command)
+            elif isinstance(command, _Cancel):
+                self._cancel(command.id)
+            elif isinstance(command, _Pause):
+                self._paused = command.paused
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _admit(self, s: _Submit) -> None:
+        try:
+            self.generation.submit(s.id, s.prompt, s.params, s.stop, logprobs=s.logprobs)
+        except ValueError as e:
+            self._release()
+            _safe(s.deliver, e)
+            return
+        self._tracked[s.id] = _Tracked(s.deliver, s.submitted)
+        if self.metrics:
+            self.metrics.prompt_tokens.inc(len(s.prompt))
+
+    def _cancel(self, rid: int) -> None:
+        tracked = self._tracked.get(rid)
+        if tracked is None:  # finished already, or never admitted
+            return
+        tracked.deliver = None
+        self.generation.cancel(rid)
+        if rid not in self.generation.pending:  # it was waiting for a slot: dropped at once
+            del self._tracked[rid]
+            self._release()
+            if self.metrics:
+                self.metrics.finished.labels("cancelled").inc()
+
+    def _dispatch(self, event: Event, now: float) -> None:
+        tracked = self._tracked.get(event.id)
+        if tracked is None:
+            return
+        if self.metrics and event.token_ids:
+            if tracked.last_token is None:
+                self.metrics.ttft.observe(now - tracked.submitted)
+            else:
+                gap = (now - tracked.last_token) / len(event.token_ids)
+                for _ in event.token_ids:
+                    self.metrics.itl.observe(gap)
+        if event.token_ids:
+            tracked.last_token = now
+        if event.result is not None:
+            del self._tracked[event.id]
+            self._release()
+            if self.metrics:
+                self.metrics.completion_tokens.inc(len(event.result.token_ids))
+                self.metrics.finished.labels(event.result.finish_reason).inc()
+        if tracked.deliver is not None:
+            _safe(tracked.deliver, event)
+
+    def _release(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            self._stopped = True
+        while True:  # requests not yet taken from the inbox
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Submit):
+                _safe(command.deliver, error)
+        for tracked in self._tracked.values():
+            if tracked.deliver is not None:
+                _safe(tracked.deliver, error)
+        self._tracked.clear()
+        with self._lock:
+            self._in_flight = 0
+
+
+def _safe(deliver: Callable[[object], None], item: object) -> None:
+    """Deliver, ignoring a receiver that is gone (its event loop closed)."""
+    try:
+        deliver(item)
+    except RuntimeError:
+        pass
+
+
+class RequestStream:
+    """One request as its HTTP handler sees it, on the handler's event loop: `await next()` gives its `Event`s
+    in order (raising the error that ended it instead); `cancel()` stops it if it has not finished."""
+
+    def __init__(self, worker: EngineWorker, prompt: list[int], params: SamplingParams, stop, logprobs: bool):
+        loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.worker = worker
+        self.finished = False
+        self.id = worker.submit(
+            prompt, params, stop, logprobs, lambda item: loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        )
+
+    async def next(self) -> Event:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.result is not None:
+            self.finished = True
+        return item
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.worker.cancel(self.id)

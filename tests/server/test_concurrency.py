@@ -1,0 +1,137 @@
+"""Many clients on one engine: concurrent streams batched together give the sequential answers; a full queue is
+answered 429 at once; a client that goes away frees its slot."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import CHAT, MAX_QUEUE, MODEL_NAME, PROMPT, SLOTS, wait_until
+
+
+def _question(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"tell me about question {i:02d}"}]  # 43 tokens, as long as CHAT
+
+
+def _stream(client, i: int) -> str:
+    chunks = client.chat.completions.create(
+        model=MODEL_NAME, messages=_question(i), max_tokens=10, temperature=0, stream=True
+    )
+    return "".join(c.choices[0].delta.content or "" for c in chunks)
+
+
+def test_16_concurrent_streams_give_the_sequential_answers(live):
+    """16 clients at once on 8 slots: continuous batching runs 8 together and admits each waiting one as a slot
+    frees; every answer is the one the same request gets alone."""
+    client = live.client()
+    start = time.perf_counter()
+    sequential = [_stream(client, i) for i in range(16)]
+    sequential_s = time.perf_counter() - start
+
+    most_running, done = 0, threading.Event()
+
+    def watch():
+        nonlocal most_running
+        while not done.is_set():
+            most_running = max(most_running, live.worker.running)
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    barrier = threading.Barrier(16)
+
+    def one(i):
+        c = live.client()
+        barrier.wait()
+        return _stream(c, i)
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        concurrent_answers = list(pool.map(one, range(16)))
+    concurrent_s = time.perf_counter() - start
+    done.set()
+    watcher.join()
+    print(f"16 streams: sequential {sequential_s:.2f} s, concurrent {concurrent_s:.2f} s")
+    assert concurrent_answers == sequential
+    assert len(set(sequential)) > 1  # the questions get different answers: the comparison means something
+    assert most_running > 1  # the requests shared the engine's decode steps
+
+
+def test_a_full_queue_is_answered_429_at_once(live):
+    """With every slot busy and MAX_QUEUE requests waiting, one more is refused at once; the others finish."""
+    worker = live.worker
+    worker.pause()  # hold the engine so that the requests stay in flight
+    held = SLOTS + MAX_QUEUE
+    try:
+        with concurrent.futures.ThreadPoolExecutor(held) as pool:
+            futures = [
+                pool.submit(
+                    live.client().chat.completions.create, model=MODEL_NAME, messages=CHAT, max_tokens=2, temperature=0
+                )
+                for _ in range(held)
+            ]
+            wait_until(lambda: worker.in_flight == held, what=f"{held} requests in flight")
+            assert httpx.get(f"{live.url}/health", timeout=10).json()["waiting"] == held
+            start = time.perf_counter()
+            with pytest.raises(openai.RateLimitError) as e:
+                live.client().chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2)
+            with pytest.raises(openai.RateLimitError):
+                live.client().completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, stream=True)
+            assert time.perf_counter() - start < 5
+            assert e.value.status_code == 429 and "busy" in e.value.message and e.value.code == "queue_full"
+            assert e.value.response.headers["retry-after"] == "1"
+            worker.resume()
+            answers = [f.result(timeout=120) for f in futures]
+    finally:
+        worker.resume()
+    assert all(a.usage.completion_tokens == 2 for a in answers)
+    wait_until(lambda: worker.in_flight == 0, what="the queue to drain")
+
+
+def _finished(live, reason: str) -> float:
+    return live.app.state.metrics.finished.labels(reason)._value.get()
+
+
+def _idle(live) -> bool:
+    llm = live.llm
+    return live.worker.in_flight == 0 and not llm.engine.active and not llm.engine.queue and not llm.generation.pending
+
+
+def test_a_stream_closed_by_its_client_frees_its_slot(live):
+    worker = live.worker
+    cancelled = _finished(live, "cancelled")
+    body = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 30, "temperature": 0, "stream": True}
+    try:
+        with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=body, timeout=60) as r:
+            next(r.iter_lines())  # the first chunk: the request holds a slot
+            worker.pause()  # it cannot finish on its own now
+            assert worker.running == 1
+        # the connection is closed: the server cancels the request; its slot is freed at the engine's next step
+        wait_until(lambda: live.llm.engine.cancelled, what="the engine to be told")
+    finally:
+        worker.resume()
+    wait_until(lambda: _idle(live), what="the slot to be freed")
+    assert _finished(live, "cancelled") == cancelled + 1
+    answer = live.client().chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=3, temperature=0)
+    assert answer.usage.completion_tokens == 3
+
+
+def test_a_waiting_request_whose_client_gives_up_is_dropped(live):
+    worker = live.worker
+    cancelled = _finished(live, "cancelled")
+    worker.pause()
+    try:
+        body = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 4, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+        wait_until(lambda: _idle(live), what="the waiting request to be dropped")  # while the engine is held
+    finally:
+        worker.resume()
+    assert _finished(live, "cancelled") == cancelled + 1
+    answer = live.client().completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert answer.usage.completion_tokens == 3

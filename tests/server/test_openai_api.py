@@ -1,0 +1,194 @@
+"""The official `openai` client against the live server: chat and completions, whole and streamed, stop strings,
+usage, log-probabilities, and the errors it raises for bad requests. The oracle for the text is the Python API
+(`reference`, computed with the same engine before the server started)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import CHAT, CONTEXT, MODEL_NAME, PROMPT
+
+
+def test_chat_completion_matches_the_python_api(live, reference):
+    ref = reference["chat"]
+    r = live.client().chat.completions.create(model="anything", messages=CHAT, max_tokens=12, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL_NAME
+    (choice,) = r.choices
+    assert choice.message.role == "assistant" and choice.message.content == ref.text
+    assert choice.finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == ref.prompt_tokens and r.usage.completion_tokens == len(ref.token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_matches_the_python_api(live, reference):
+    ref = reference["text"]
+    r = live.client().completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == ref.prompt_tokens and r.usage.completion_tokens == 12
+    one = live.client().completions.create(model=MODEL_NAME, prompt=[PROMPT], max_tokens=12, temperature=0)
+    assert one.choices[0].text == ref.text  # a list of one prompt is that prompt
+
+
+def test_chat_stream_with_usage(live, reference):
+    ref = reference["chat"]
+    chunks = list(
+        live.client().chat.completions.create(
+            model=MODEL_NAME,
+            messages=CHAT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *body, finish, usage = chunks
+    assert "".join(c.choices[0].delta.content or "" for c in body) == ref.text
+    assert all(c.choices[0].finish_reason is None and c.usage is None for c in body)
+    assert finish.choices[0].finish_reason == ref.finish_reason
+    assert usage.choices == [] and usage.usage.completion_tokens == len(ref.token_ids)
+    assert usage.usage.prompt_tokens == ref.prompt_tokens
+
+
+def test_completion_stream_without_usage(live, reference):
+    ref = reference["text"]
+    chunks = list(
+        live.client().completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in chunks)
+
+
+def test_stream_ends_with_done(live):
+    """The raw server-sent events: `data: {...}` lines, then `data: [DONE]`."""
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]" and lines[-2].startswith('data: {"id": "cmpl-')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string(live, reference, stream):
+    ref = reference["chat"].text
+    start = next(i for i in range(1, len(ref) - 1) if "\ufffd" not in ref[i : i + 2])
+    stop = ref[start : start + 2]
+    expected = ref[: ref.index(stop)]
+    client = live.client()
+    request = dict(model=MODEL_NAME, messages=CHAT, max_tokens=12, temperature=0, stop=[stop, "never seen"])
+    if stream:
+        chunks = list(client.chat.completions.create(**request, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        finish = chunks[-1].choices[0]
+    else:
+        finish = client.chat.completions.create(**request).choices[0]
+        text = finish.message.content
+    assert text == expected and finish.finish_reason == "stop"
+    assert finish.model_extra["stop_reason"] == stop
+
+
+def test_chat_logprobs(live, reference):
+    ref = reference["chat"]
+    r = live.client().chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=12, temperature=0, logprobs=True, top_logprobs=0
+    )
+    content = r.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(ref.logprobs, abs=1e-4)
+    assert all(c.logprob <= 0 and c.top_logprobs == [] for c in content)
+
+
+def test_completion_logprobs_streamed(live, reference):
+    ref = reference["text"]
+    chunks = live.client().completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0, stream=True
+    )
+    logprobs = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+
+
+def test_max_tokens_default_and_max_completion_tokens(live):
+    client = live.client()
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, temperature=0)
+    assert r.usage.completion_tokens == 16  # the server's --max-tokens (conftest)
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, temperature=0, max_completion_tokens=3)
+    assert r.usage.completion_tokens == 3
+
+
+def test_huge_limits_mean_the_context_and_the_vocabulary(live):
+    """Values past what the engine holds in int32 arrays are bounded before they reach it: the engine thread,
+    shared by every request, must not fail."""
+    r = live.client().chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, temperature=0, max_tokens=10**12, extra_body={"top_k": 10**12}
+    )
+    assert r.choices[0].finish_reason == "length" and r.usage.total_tokens == CONTEXT
+    with pytest.raises(openai.BadRequestError) as e:
+        live.client().chat.completions.create(model=MODEL_NAME, messages=CHAT, extra_body={"stop_token_ids": [10**12]})
+    assert e.value.param == "stop_token_ids" and "outside the vocabulary" in e.value.message
+    assert live.worker.alive
+
+
+@pytest.mark.parametrize(
+    "change, param, code",
+    [
+        ({"temperature": -1}, "temperature", "invalid_parameter"),
+        ({"top_p": 1.5}, "top_p", "invalid_parameter"),
+        ({"max_tokens": 0}, "max_tokens", "invalid_parameter"),
+        ({"n": 2}, "n", "invalid_parameter"),
+        ({"seed": -1}, "seed", "invalid_parameter"),
+        ({"presence_penalty": 3}, "presence_penalty", "invalid_parameter"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty", "invalid_parameter"),
+        ({"top_k": -1}, "top_k", "invalid_parameter"),  # the fields OpenAI lacks arrive too
+        ({"min_p": 2}, "min_p", "invalid_parameter"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "invalid_parameter"),
+        ({"max_completion_tokens": True}, "max_completion_tokens", "invalid_parameter"),
+        ({"stop": [""]}, "stop", "invalid_parameter"),
+        ({"top_logprobs": 2, "logprobs": True}, "top_logprobs", "invalid_parameter"),
+        ({"messages": [{"role": "robot", "content": "beep"}]}, "messages", "invalid_messages"),
+        ({"messages": []}, "messages", "invalid_messages"),
+        ({"messages": [{"role": "user", "content": "the " * 300}]}, "messages", "context_length_exceeded"),
+    ],
+)
+def test_invalid_chat_requests_are_400(live, change, param, code):
+    request = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 4}
+    with pytest.raises(openai.BadRequestError) as e:
+        live.client().chat.completions.create(**request, extra_body=change)
+    assert e.value.status_code == 400 and e.value.type == "invalid_request_error"
+    assert e.value.param == param and e.value.code == code and e.value.message
+
+
+def test_invalid_completion_requests_are_400(live):
+    client = live.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt="the " * 300, max_tokens=4, stream=True)
+    assert e.value.code == "context_length_exceeded" and "context limit" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, logprobs=3)
+    assert e.value.param == "logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, echo=True)
+    assert e.value.param == "echo"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt=[1, 2, 3])
+    assert e.value.param == "prompt"
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b""], ids=["invalid-json", "not-an-object", "empty"])
+def test_bodies_fastapi_rejects_are_400_with_the_openai_error_object(live, content):
+    r = httpx.post(
+        f"{live.url}/v1/chat/completions", content=content, headers={"content-type": "application/json"}, timeout=30
+    )
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["message"]
+
+
+def test_unknown_path_is_404_with_the_openai_error_object(live):
+    r = httpx.get(f"{live.url}/v1/embeddings", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
