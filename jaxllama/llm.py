@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllama.core.checkpoint import load_checkpoint
 from jaxllama.core.config import ModelConfig
@@ -130,7 +131,8 @@ class LLM:
         tokens = np.zeros((len(token_ids), width), np.int32)
         for i, t in enumerate(token_ids):
             tokens[i, : len(t)] = t
-        out = np.array(_sequence_logits(self.params, self.config, jnp.asarray(tokens)))
+        replicated = NamedSharding(self.mesh, PartitionSpec())  # every process can read all of it
+        out = np.array(_sequence_logits(self.params, self.config, jnp.asarray(tokens), replicated))
         for i, n in enumerate(lengths):
             out[i, n:] = np.nan
         return out
@@ -245,9 +247,9 @@ def _default_decode_steps() -> int:
     return 1 if jax.default_backend() == "cpu" else 8
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _sequence_logits(params, config, tokens):
-    return sequence_logits(params, config, tokens)
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def _sequence_logits(params, config, tokens, out_sharding):
+    return jax.lax.with_sharding_constraint(sequence_logits(params, config, tokens), out_sharding)
 
 
 __all__ = ["LLM", "Result"]

@@ -1,0 +1,70 @@
+"""`jaxllama chat` driven through a pipe: two user turns, then end of input. The streamed replies are
+`LLM.chat`'s greedy replies to the same conversation, the second turn carrying the first reply; and those
+are the argmax of `LLM.logits` at every step."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from converters.llama import convert
+from jaxllama import LLM
+from tests.factories import write_chat_gguf
+from tests.multiprocess import REPO, process_env
+
+TURNS = ["hello there", "and then?"]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("tinychat")
+    return convert(write_chat_gguf(tmp / "m.gguf"), tmp / "ckpt", progress=False)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_chat):
+    return LLM.load(tiny_chat, max_slots=1, compilation_cache=False)  # the session's cache is already on
+
+
+def conversation(llm) -> tuple[list[list[dict]], list]:
+    """The conversation before each reply, and LLM.chat's greedy replies."""
+    messages, before, replies = [], [], []
+    for turn in TURNS:
+        messages.append({"role": "user", "content": turn})
+        before.append(list(messages))
+        replies.append(llm.chat(messages, max_tokens=MAX_TOKENS, temperature=0))
+        messages.append({"role": "assistant", "content": replies[-1].text})
+    return before, replies
+
+
+def test_chat_through_a_pipe_replies_as_llm_chat(tiny_chat, llm):
+    _, replies = conversation(llm)
+    alone = llm.chat([{"role": "user", "content": TURNS[1]}], max_tokens=MAX_TOKENS, temperature=0).text
+    assert alone != replies[1].text  # the history changes the second reply: comparing it checks the history is kept
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxllama.cli", "chat", "--model", str(tiny_chat), "--temperature", "0"]
+        + ["--max-tokens", str(MAX_TOKENS)],
+        input="".join(turn + "\n" for turn in TURNS),
+        cwd=REPO,
+        env=process_env(PYTHONIOENCODING="utf-8"),
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "".join(f"you> model> {reply.text}\n" for reply in replies) + "you> \n"
+
+
+def test_greedy_replies_are_the_argmax_of_llm_logits(llm):
+    before, replies = conversation(llm)
+    for messages, reply in zip(before, replies, strict=True):
+        prompt = llm.encode_chat(messages)
+        logits = llm.logits([prompt + reply.token_ids])[0]
+        assert reply.token_ids == np.argmax(logits[len(prompt) - 1 : -1], axis=-1).tolist()
