@@ -115,20 +115,8 @@ class Generation:
         if id in self.pending:
             raise ValueError(f"request id {id!r} is already running")
         text = _Text(self.tokenizer, stop, include_stop)  # validates the stop strings
-        self.engine.add(Request(id, list(prompt), self._bounded(params)))
+        self.engine.add(Request(id, list(prompt), params))
         self.pending[id] = _Pending(text, len(prompt), logprobs)
-
-    def _bounded(self, params: SamplingParams) -> SamplingParams:
-        """`params` within what the engine holds in int32 arrays: a max_tokens past the context or a top_k past
-        the vocabulary means the same as the limit; a stop token id outside the vocabulary is an error."""
-        vocab = self.engine.config.vocab_size
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids={list(params.stop_token_ids)}: {bad[0]} is outside the vocabulary")
-        max_tokens, top_k = min(params.max_tokens, self.engine.max_context), min(params.top_k, vocab)
-        if (max_tokens, top_k) == (params.max_tokens, params.top_k):
-            return params
-        return dataclasses.replace(params, max_tokens=max_tokens, top_k=top_k)
 
     def cancel(self, id) -> None:
         """Stop a request. A running one ends with a "cancelled" `Result` at the next step; one still waiting

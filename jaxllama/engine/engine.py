@@ -153,9 +153,21 @@ class Engine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
         if len(self.eos_ids) + len(request.params.stop_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS - len(self.eos_ids)} extra stop token ids")
+        bad = [t for t in request.params.stop_token_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids={list(request.params.stop_token_ids)}: {bad[0]} is outside the vocabulary "
+                f"(0..{self.config.vocab_size - 1})"
+            )
 
     def add(self, request: Request) -> None:
+        """Queue a request (ValueError if it can never run). A max_tokens past the context or a top_k past the
+        vocabulary means the limit: they are capped to it (the device holds them as int32)."""
         self.check(request)
+        p = request.params
+        max_tokens, top_k = min(p.max_tokens, self.max_context), min(p.top_k, self.config.vocab_size)
+        if (max_tokens, top_k) != (p.max_tokens, p.top_k):
+            request = dataclasses.replace(request, params=dataclasses.replace(p, max_tokens=max_tokens, top_k=top_k))
         self.queue.append(request)
 
     def cancel(self, request_id) -> None:

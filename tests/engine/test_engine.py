@@ -125,6 +125,7 @@ BAD = [
     (dict(params=dict(temperature=-1.0)), "temperature=-1.0"),
     (dict(params=dict(top_p=0.0)), "top_p=0.0"),
     (dict(params=dict(top_p=1.5)), "top_p=1.5"),
+    (dict(params=dict(stop_token_ids=(10**12,))), "1000000000000 is outside the vocabulary"),
 ]
 
 
@@ -142,8 +143,13 @@ def test_bad_requests_are_refused_alone(tiny, expected):
             else:
                 engine.add(Request("bad", bad["prompt"], SamplingParams(max_tokens=4)))
     engine.add(good[2])
-    tokens, _ = run(engine, [])
-    assert tokens == {r.id: expected[r.id] for r in good}
+    # past the context or the vocabulary (and int32): the limit
+    huge = SamplingParams(max_tokens=10**12, top_k=10**12, temperature=0.0)
+    engine.add(Request("huge", good[0].prompt, huge))
+    tokens, finals = run(engine, [])
+    assert {k: v for k, v in tokens.items() if k != "huge"} == {r.id: expected[r.id] for r in good}
+    assert tokens["huge"][: len(expected[good[0].id])] == expected[good[0].id]
+    assert finals["huge"].finish_reason in ("stop", "length")
 
 
 def test_cancel_frees_the_slot(tiny, expected):
