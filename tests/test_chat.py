@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from converters.llama import convert
 from jaxllama import LLM
-from tests.factories import write_chat_gguf
 from tests.multiprocess import REPO, process_env
 
 TURNS = ["hello there", "and then?"]
@@ -21,14 +18,8 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("tinychat")
-    return convert(write_chat_gguf(tmp / "m.gguf"), tmp / "ckpt", progress=False)
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_chat):
-    return LLM.load(tiny_chat, max_slots=1, compilation_cache=False)  # the session's cache is already on
+def llm(tiny_chat_checkpoint):
+    return LLM.load(tiny_chat_checkpoint, max_slots=1, compilation_cache=False)  # the session's cache is already on
 
 
 def conversation(llm) -> tuple[list[list[dict]], list]:
@@ -42,13 +33,13 @@ def conversation(llm) -> tuple[list[list[dict]], list]:
     return before, replies
 
 
-def test_chat_through_a_pipe_replies_as_llm_chat(tiny_chat, llm):
+def test_chat_through_a_pipe_replies_as_llm_chat(tiny_chat_checkpoint, llm):
     _, replies = conversation(llm)
     alone = llm.chat([{"role": "user", "content": TURNS[1]}], max_tokens=MAX_TOKENS, temperature=0).text
     assert alone != replies[1].text  # the history changes the second reply: comparing it checks the history is kept
 
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxllama.cli", "chat", "--model", str(tiny_chat), "--temperature", "0"]
+        [sys.executable, "-m", "jaxllama.cli", "chat", "--model", str(tiny_chat_checkpoint), "--temperature", "0"]
         + ["--max-tokens", str(MAX_TOKENS)],
         input="".join(turn + "\n" for turn in TURNS),
         cwd=REPO,

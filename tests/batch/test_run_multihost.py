@@ -8,14 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from converters.llama import convert
-from tests.factories import write_chat_gguf
 from tests.multiprocess import LOCAL_DEVICES, REPO, free_port, process_env, run_processes
 
 PROCESSES = 2
-MESH = "data=2,model=2"
+MESH = "data=1,model=4"  # the model axis across the processes; 2 KV heads, replicated
 JOB = [
     {"id": "chat", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6, "temperature": 0},
     {"id": "plain", "prompt": "the cat", "max_tokens": 8, "temperature": 0},
@@ -36,20 +32,15 @@ JOB = [
 DONE = 2  # lines already in the output when the two processes start
 
 
-@pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("tinychat")
-    return convert(write_chat_gguf(tmp / "m.gguf"), tmp / "ckpt", progress=False)
-
-
 def without_timings(path: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k != "timings"} for line in path.read_text().splitlines()]
 
 
-def test_two_processes_write_what_one_process_writes(tiny_chat, tmp_path):
+def test_two_processes_write_what_one_process_writes(tiny_chat_checkpoint, tmp_path):
     job = tmp_path / "job.jsonl"
     job.write_text("".join(json.dumps(line) + "\n" for line in JOB))
-    command = [sys.executable, "-m", "jaxllama.cli", "run", str(job), "--model", str(tiny_chat), "--mesh", MESH]
+    model = ["--model", str(tiny_chat_checkpoint), "--mesh", MESH]
+    command = [sys.executable, "-m", "jaxllama.cli", "run", str(job), *model]
 
     single = tmp_path / "single.out.jsonl"
     env = process_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={PROCESSES * LOCAL_DEVICES}")

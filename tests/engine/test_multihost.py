@@ -1,7 +1,5 @@
 """The engine across 2 processes x 2 CPU devices over gloo (tests/engine/multihost_worker.py): both processes
-see the same tokens, the same as one process on the same mesh, and greedy ones as the full-forward reference.
-The meshes split the model axis across the processes, or the data axis, with fewer KV heads than the model
-axis."""
+see the same tokens, the same as one process on the same mesh, and greedy ones as the full-forward reference."""
 
 from __future__ import annotations
 
