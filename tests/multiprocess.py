@@ -36,8 +36,8 @@ def process_env(**extra: str) -> dict[str, str]:
 
 
 def run_processes(commands: list[list[str]], logs: Path, timeout: float, env: dict | None = None) -> list[str]:
-    """Run the commands at once (one per process) and return their stderr texts; fail the test, after killing
-    every process still running, when one exits non-zero or the deadline passes."""
+    """Run the commands at once (one per process) and return their outputs (stdout and stderr); fail the test,
+    after killing every process still running, when one exits non-zero or the deadline passes."""
     import pytest
 
     logs.mkdir(parents=True, exist_ok=True)
