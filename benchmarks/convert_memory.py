@@ -1,6 +1,6 @@
 """Streaming conversion: peak resident memory while converting a synthetic Hugging Face checkpoint.
 
-    python benchmarks/convert_memory.py [--size-gb 2.2] [--workdir /tmp/jaxllama-convert-bench]
+    python -m benchmarks.convert_memory [--size-gb 2.2] [--workdir /tmp/jaxllama-convert-bench]
 
 Writes a random bfloat16 Llama of about --size-gb in safetensors shards, converts it with
 `python -m converters.llama` in a child process, and reports the child's peak RSS against the checkpoint
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,8 +18,9 @@ from pathlib import Path
 import fire
 import ml_dtypes
 import numpy as np
-import psutil
 from safetensors.numpy import save_file
+
+from benchmarks.measure import peak_rss
 
 
 def write_checkpoint(out: Path, dim: int, layers: int, ffn: int, vocab: int, heads: int, kv_heads: int) -> int:
@@ -72,21 +72,6 @@ def write_checkpoint(out: Path, dim: int, layers: int, ffn: int, vocab: int, hea
         weight_map.update({k: name for k in tensors})
     (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     return total
-
-
-def peak_rss(cmd: list[str], cwd: Path) -> int:
-    """Run cmd and return its peak resident set size (anonymous and file-backed pages), sampled."""
-    child = subprocess.Popen(cmd, cwd=cwd)
-    proc, peak = psutil.Process(child.pid), 0
-    while child.poll() is None:
-        try:
-            peak = max(peak, proc.memory_info().rss)
-        except psutil.NoSuchProcess:
-            break
-        time.sleep(0.05)
-    if child.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed with exit status {child.returncode}")
-    return peak
 
 
 def main(size_gb: float = 2.2, workdir: str = "/tmp/jaxllama-convert-bench", keep: bool = False):

@@ -1,124 +1,102 @@
-"""jaxllama against HF transformers on the same chat job, same model (the SmolLM2 GGUF), same machine, one run.
+"""jaxllama against HF transformers and llama.cpp on the same chat job, same model (the SmolLM2 GGUF), same
+machine, one run; prints one table with the ratio of jaxllama (warm) to each peer.
 
-    python benchmarks/job_bench.py JOB.jsonl [--hf-batch 32] [--skip-hf]
+    python -m benchmarks.job_bench JOB.jsonl [--hf-batch 32] [--skip hf,llamacpp] [--max-batch 32]
 
-jaxllama runs the job twice through `jaxllama run` (cold: compilation cache emptied; warm: cache filled);
-HF transformers runs float32 batched `generate` with left padding (greedy, stopping at end of turn, as
-users run it). Prints output tokens/s, wall time and the ratios.
+jaxllama runs the job through `jaxllama run` twice: cold (compilation cache emptied) and warm (cache filled).
+The peers run from `benchmarks/peers.py` (HF transformers float32 batched `generate`; llama.cpp one request
+at a time, if `llama-cpp-python` is installed: `pip install -e '.[bench]'`). Each system runs in its own
+process; its peak resident memory is sampled. The roofline line sets jaxllama's decode against this
+machine's float32 matmul peak and memory bandwidth, both measured here.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import fire
 
+from benchmarks.measure import matmul_flops, memory_bandwidth, peak_rss
+from jaxllama.core.config import ModelConfig
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_jaxllama(job: Path, cache: Path, extra=()) -> dict:
+def run_jaxllama(job: Path, cache: Path, max_batch: int) -> dict:
     out, stats = cache / "out.jsonl", cache / "stats.json"
-    env = {**os.environ, "JAXLLAMA_CACHE": str(cache)}
-    start = time.time()
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxllama.cli",
-            "run",
-            str(job),
-            "--output",
-            str(out),
-            "--overwrite",
-            "--quiet",
-            "--stats-file",
-            str(stats),
-            *extra,
-        ],
-        cwd=REPO,
-        env=env,
-        check=True,
+    cmd = [sys.executable, "-m", "jaxllama.cli", "run", str(job), "--output", str(out), "--overwrite", "--quiet"]
+    cmd += ["--stats-file", str(stats), "--max-batch", str(max_batch)]
+    peak = peak_rss(cmd, REPO, env={**os.environ, "JAXLLAMA_CACHE": str(cache)})
+    return {**json.loads(stats.read_text()), "peak_rss": peak}
+
+
+def run_peer(name: str, job: Path, *args: str) -> dict:
+    with tempfile.TemporaryFile("w+") as out:
+        peak = peak_rss([sys.executable, "-m", "benchmarks.peers", name, str(job), *args], REPO, stdout=out)
+        out.seek(0)
+        return {**json.loads(out.read().strip().splitlines()[-1]), "peak_rss": peak}
+
+
+def roofline(warm: dict, config: ModelConfig, bytes_per_param: int = 4) -> str:
+    """Decode: the model's matmul FLOPs per generated token; every decode step reads every weight once."""
+    flops, bandwidth = matmul_flops(), memory_bandwidth()
+    steps_per_s = warm["decode_steps"] / max(1e-9, warm["hosts"][0]["decode_s"])
+    achieved_flops = config.flops_per_token() * warm["decode_tokens_per_s"]
+    achieved_bytes = config.n_params * bytes_per_param * steps_per_s
+    return (
+        f"roofline (jaxllama warm decode): {achieved_flops / 1e9:.1f} GFLOP/s of a measured {flops / 1e9:.0f} "
+        f"GFLOP/s float32 matmul peak ({100 * achieved_flops / flops:.0f}%); weights read at "
+        f"{achieved_bytes / 1e9:.1f} GB/s of a measured {bandwidth / 1e9:.1f} GB/s "
+        f"({100 * achieved_bytes / bandwidth:.0f}%)"
     )
-    s = json.loads(stats.read_text())
-    s["process_wall_s"] = time.time() - start
-    return s
 
 
-def run_hf(job: Path, batch: int) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from jaxllama.default_model import default_gguf
-
-    gguf = default_gguf()
-    torch.set_num_threads(os.cpu_count() or 1)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tok.padding_side = "left"
-    tok.pad_token = tok.pad_token or tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    rows = [json.loads(line) for line in job.read_text().splitlines() if line.strip()]
-    texts = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False) for r in rows]
-    stops = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
-    start, tokens = time.time(), 0
-    with torch.no_grad():
-        for i in range(0, len(rows), batch):
-            chunk = rows[i : i + batch]
-            enc = tok(texts[i : i + batch], return_tensors="pt", padding=True, add_special_tokens=False)
-            out = model.generate(
-                **enc,
-                max_new_tokens=max(r.get("max_tokens", 64) for r in chunk),
-                do_sample=False,
-                eos_token_id=list(stops),
-                pad_token_id=tok.pad_token_id,
-            )
-            for r, g in zip(chunk, out[:, enc["input_ids"].shape[1] :].tolist(), strict=True):
-                g = g[: r.get("max_tokens", 64)]
-                tokens += next((j + 1 for j, t in enumerate(g) if t in stops), len(g))
-    wall = time.time() - start
-    return {"completion_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
-
-
-def main(job: str, hf_batch: int = 32, skip_hf: bool = False):
+def main(job: str, hf_batch: int = 32, skip: str | tuple = (), max_batch: int = 32):
     job = Path(job).resolve()
+    skip = set(skip.split(",") if isinstance(skip, str) else skip)
     cache = Path(tempfile.mkdtemp(prefix="jaxllama-bench-"))
     try:
         # Convert the default model first, so that "cold" measures compilation, not conversion.
-        subprocess.run(
-            [sys.executable, "-c", "from jaxllama.default_model import default_checkpoint as d; d(False)"],
-            env={**os.environ, "JAXLLAMA_CACHE": str(cache)},
-            check=True,
-            cwd=REPO,
-        )
-        cold = run_jaxllama(job, cache)
-        warm = run_jaxllama(job, cache)
+        convert = "from jaxllama.default_model import default_checkpoint as d; print(d(False))"
+        env = {**os.environ, "JAXLLAMA_CACHE": str(cache)}
+        checkpoint = subprocess.run(
+            [sys.executable, "-c", convert], env=env, check=True, cwd=REPO, capture_output=True, text=True
+        ).stdout.split()[-1]
+        config = ModelConfig.load(checkpoint)
+        cold = run_jaxllama(job, cache, max_batch)
+        warm = run_jaxllama(job, cache, max_batch)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    rows = [
-        ("jaxllama cold", cold["output_tokens_per_s"], cold["wall_s"], cold["compile_s"], cold["ttft_ms_p50"]),
-        ("jaxllama warm", warm["output_tokens_per_s"], warm["wall_s"], warm["compile_s"], warm["ttft_ms_p50"]),
-    ]
-    hf = None if skip_hf else run_hf(job, hf_batch)
-    if hf:
-        rows.append((f"HF transformers batch {hf_batch}", hf["output_tokens_per_s"], hf["wall_s"], 0.0, float("nan")))
+    results = {"jaxllama cold": cold, "jaxllama warm": warm}
+    if "hf" not in skip:
+        results[f"HF transformers batch {hf_batch}"] = run_peer("hf", job, "--batch", str(hf_batch))
+    if "llamacpp" not in skip and importlib.util.find_spec("llama_cpp"):
+        results["llama.cpp sequential"] = run_peer("llamacpp", job)
+    peers = [name for name in results if not name.startswith("jaxllama")]
+
     print(f"job: {job.name}, {warm['ok']} requests, {warm['completion_tokens']} output tokens (jaxllama)")
+    header = f"{'system':<26} {'out tok/s':>9} {'req/s':>6} {'TTFT p50 s':>10} {'wall s':>7} {'peak MB':>8}"
+    print(header + "".join(f"  {'vs ' + p.split()[0]:>9}" for p in peers))
+    for name, r in results.items():
+        ttft = r.get("ttft_ms_p50")
+        line = f"{name:<26} {r['output_tokens_per_s']:>9.1f} {r['requests_per_s']:>6.2f} "
+        ttft_s = ttft / 1e3 if ttft is not None else float("nan")
+        line += f"{ttft_s:>10.1f} {r['wall_s']:>7.1f} {r['peak_rss'] / 2**20:>8.0f}"
+        line += "".join(f"  {r['output_tokens_per_s'] / results[p]['output_tokens_per_s']:>8.2f}x" for p in peers)
+        print(line)
     print(
-        f"{'system':<28} {'out tok/s':>10} {'wall s':>8} {'compile s':>10} {'TTFT p50 ms':>12}"
-        + ("  vs HF" if hf else "")
+        f"jaxllama: compile {cold['compile_s']:.1f} s cold, {warm['compile_s']:.1f} s warm; warm prefill "
+        f"{warm['prefill_tokens_per_s']} tok/s, decode {warm['decode_tokens_per_s']} tok/s, slot occupancy "
+        f"{100 * warm['slot_occupancy']:.0f}%"
     )
-    for name, tps, wall, comp, ttft in rows:
-        ratio = f"  {tps / hf['output_tokens_per_s']:.2f}x" if hf else ""
-        print(f"{name:<28} {tps:>10.1f} {wall:>8.1f} {comp:>10.1f} {ttft:>12.0f}{ratio}")
-    print(
-        f"jaxllama warm: prefill {warm['prefill_tokens_per_s']} tok/s, decode {warm['decode_tokens_per_s']} tok/s, "
-        f"slot occupancy {100 * warm['slot_occupancy']:.0f}%"
-    )
+    print(roofline(warm, config))
 
 
 if __name__ == "__main__":
