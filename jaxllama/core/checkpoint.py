@@ -5,6 +5,7 @@ Layout of a checkpoint folder::
 
     config.json                 ModelConfig
     params/                     Orbax checkpoint of the params pytree (names as in `params.param_layout`)
+    format.json                 the checkpoint format's version (FORMAT)
     tokenizer files, generation_config.json, chat template   (carried by the converter, read by `text`)
 
 Nothing in it depends on a device count: `load_checkpoint` restores with target shardings, so each host
@@ -13,6 +14,7 @@ reads only the slices its devices hold.
 
 from __future__ import annotations
 
+import json
 import shutil
 import uuid
 import warnings
@@ -27,6 +29,8 @@ from jaxllama.core.config import CONFIG_FILE, ModelConfig
 from jaxllama.core.params import abstract_params, param_layout
 
 PARAMS_DIR = "params"
+FORMAT_FILE = "format.json"
+FORMAT = 2  # 1: weights stored (in, out); 2: (out, in), as in model.py
 
 
 def _orbax():
@@ -42,9 +46,32 @@ def runtime_dtype(backend: str | None = None) -> jnp.dtype:
     return jnp.dtype(jnp.float32 if backend == "cpu" else jnp.bfloat16)
 
 
-def is_checkpoint(path: str | Path) -> bool:
+def checkpoint_format(path: str | Path) -> int | None:
+    """The format version of a converted checkpoint folder (1 for one written before versions were recorded),
+    or None if the folder is not a checkpoint."""
     path = Path(path)
-    return (path / CONFIG_FILE).is_file() and (path / PARAMS_DIR).is_dir()
+    if not ((path / CONFIG_FILE).is_file() and (path / PARAMS_DIR).is_dir()):
+        return None
+    try:
+        return int(json.loads((path / FORMAT_FILE).read_text())["format"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """A complete checkpoint this version of jaxllama reads."""
+    return checkpoint_format(path) == FORMAT
+
+
+def _check_format(path: Path) -> None:
+    found = checkpoint_format(path)
+    if found is None:
+        raise FileNotFoundError(f"{path}: not a jaxllama checkpoint (expected {CONFIG_FILE} and {PARAMS_DIR}/)")
+    if found != FORMAT:
+        raise ValueError(
+            f"{path}: a checkpoint of format {found}; this jaxllama reads format {FORMAT}. Convert its source "
+            f"again: python -m converters.llama SRC {path} --overwrite"
+        )
 
 
 def load_checkpoint(path: str | Path, mesh: Mesh | None = None, dtype=None) -> tuple[ModelConfig, dict]:
@@ -55,8 +82,7 @@ def load_checkpoint(path: str | Path, mesh: Mesh | None = None, dtype=None) -> t
     in another dtype is cast once, here.
     """
     path = Path(path)
-    if not is_checkpoint(path):
-        raise FileNotFoundError(f"{path}: not a jaxllama checkpoint (expected {CONFIG_FILE} and {PARAMS_DIR}/)")
+    _check_format(path)
     config = ModelConfig.load(path)
     dtype = jnp.dtype(dtype or runtime_dtype())
     stored = abstract_params(config, config.dtype, mesh)
@@ -135,6 +161,7 @@ class CheckpointWriter:
             warnings.simplefilter("ignore")
             _orbax().partial.finalize(self.tmp / PARAMS_DIR)
         self.config.save(self.tmp)
+        (self.tmp / FORMAT_FILE).write_text(json.dumps({"format": FORMAT}) + "\n")
         if self.out_dir.exists():
             shutil.rmtree(self.out_dir)
         self.tmp.rename(self.out_dir)

@@ -5,6 +5,10 @@ Every parameter is declared once, here, with its shape, initializer and logical 
 (see `params.py`). Layers are unrolled, one weight set each: on XLA:CPU this is ~3x faster than a
 `lax.scan` over stacked layers.
 
+Weights are stored (out, in), as PyTorch's `Linear` and every source format store them, and applied as
+`x @ W.T`: on XLA:CPU that is 1.2-2x faster than `x @ W` with W stored (in, out) for this model's shapes
+(32x576 @ 576x576: 0.80 ms against 1.63 ms), and no converter transposes anything.
+
 Rotary embeddings use Meta's convention: dimension pairs (2i, 2i+1) of each head rotate together
 (the complex-number form of Meta's reference code). Converters bring every source to it: Meta's
 weights already are; Hugging Face's q/k projections are permuted back; GGUF files already hold
@@ -80,9 +84,9 @@ def rms_norm(p, x: jax.Array, eps: float) -> jax.Array:
 def attention(p, c: ModelConfig, x, positions, cache_k, cache_v):
     """x [b, t, dim], positions [b, t]; cache_k/v [b, kv_heads, s, head_dim] -> (out, cache_k, cache_v)."""
     freqs = rope_frequencies(c)
-    q = apply_rope(jnp.einsum("btd,dhk->bthk", x, p["wq"]), positions, freqs)
-    k = apply_rope(jnp.einsum("btd,dhk->bthk", x, p["wk"]), positions, freqs)
-    v = jnp.einsum("btd,dhk->bthk", x, p["wv"])
+    q = apply_rope(jnp.einsum("btd,hkd->bthk", x, p["wq"]), positions, freqs)
+    k = apply_rope(jnp.einsum("btd,hkd->bthk", x, p["wk"]), positions, freqs)
+    v = jnp.einsum("btd,hkd->bthk", x, p["wv"])
 
     # Write this call's keys/values at their positions (rows past the cache's end are dropped).
     rows = jnp.arange(x.shape[0])[:, None]
@@ -98,11 +102,11 @@ def attention(p, c: ModelConfig, x, positions, cache_k, cache_v):
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     out = jnp.einsum("bkgts,bksd->btkgd", probs, cache_v.astype(x.dtype))
     out = out.reshape(*out.shape[:2], c.n_heads, c.head_dim)
-    return jnp.einsum("bthk,hkd->btd", out, p["wo"]), cache_k, cache_v
+    return jnp.einsum("bthk,dhk->btd", out, p["wo"]), cache_k, cache_v
 
 
 def mlp(p, x):
-    return (jax.nn.silu(x @ p["w1"]) * (x @ p["w3"])) @ p["w2"]
+    return (jax.nn.silu(x @ p["w1"].T) * (x @ p["w3"].T)) @ p["w2"].T
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -127,7 +131,7 @@ def llama(params, c: ModelConfig, tokens, positions, cache: KVCache, logits_at=N
     x = rms_norm(params["norm"], x, c.norm_eps)
     if logits_at is not None:
         x = x[jnp.arange(x.shape[0]), logits_at]
-    logits = x @ params["embedding"].T if c.tie_embeddings else x @ params["output"]
+    logits = x @ (params["embedding"] if c.tie_embeddings else params["output"]).T
     return logits.astype(jnp.float32), new_cache
 
 
@@ -153,10 +157,10 @@ class Attention(nn.Module):
     def __call__(self) -> dict:
         c = self.config
         return {
-            "wq": _param(self, "wq", (c.dim, c.n_heads, c.head_dim), ("embed", "heads", "head_dim"), self.dtype),
-            "wk": _param(self, "wk", (c.dim, c.n_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), self.dtype),
-            "wv": _param(self, "wv", (c.dim, c.n_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), self.dtype),
-            "wo": _param(self, "wo", (c.n_heads, c.head_dim, c.dim), ("heads", "head_dim", "embed"), self.dtype),
+            "wq": _param(self, "wq", (c.n_heads, c.head_dim, c.dim), ("heads", "head_dim", "embed"), self.dtype),
+            "wk": _param(self, "wk", (c.n_kv_heads, c.head_dim, c.dim), ("kv_heads", "head_dim", "embed"), self.dtype),
+            "wv": _param(self, "wv", (c.n_kv_heads, c.head_dim, c.dim), ("kv_heads", "head_dim", "embed"), self.dtype),
+            "wo": _param(self, "wo", (c.dim, c.n_heads, c.head_dim), ("embed", "heads", "head_dim"), self.dtype),
         }
 
 
@@ -168,9 +172,9 @@ class MLP(nn.Module):
     def __call__(self) -> dict:
         c = self.config
         return {
-            "w1": _param(self, "w1", (c.dim, c.ffn_dim), ("embed", "mlp"), self.dtype),  # gate
-            "w3": _param(self, "w3", (c.dim, c.ffn_dim), ("embed", "mlp"), self.dtype),  # up
-            "w2": _param(self, "w2", (c.ffn_dim, c.dim), ("mlp", "embed"), self.dtype),  # down
+            "w1": _param(self, "w1", (c.ffn_dim, c.dim), ("mlp", "embed"), self.dtype),  # gate
+            "w3": _param(self, "w3", (c.ffn_dim, c.dim), ("mlp", "embed"), self.dtype),  # up
+            "w2": _param(self, "w2", (c.dim, c.ffn_dim), ("embed", "mlp"), self.dtype),  # down
         }
 
 
@@ -206,7 +210,7 @@ class Llama(nn.Module):
         params |= {f"layers_{i}": Block(c, dtype, name=f"layers_{i}")() for i in range(c.n_layers)}
         params["norm"] = RMSNorm(c, dtype, name="norm")()
         if not c.tie_embeddings:
-            params["output"] = _param(self, "output", (c.dim, c.vocab_size), ("embed", "vocab"), dtype)
+            params["output"] = _param(self, "output", (c.vocab_size, c.dim), ("vocab", "embed"), dtype)
         return llama(params, c, tokens, positions, cache, logits_at)
 
 

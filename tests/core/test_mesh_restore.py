@@ -53,7 +53,7 @@ def test_same_logits_on_every_mesh(checkpoint, reference, spec):
     wq = params["layers_0"]["attention"]["wq"]
     assert wq.sharding.mesh.shape == dict(mesh.shape)
     # heads really are split over the model axis; each device holds its share only
-    assert wq.addressable_shards[0].data.shape[1] == config.n_heads // mesh.shape["model"]
+    assert wq.addressable_shards[0].data.shape[0] == config.n_heads // mesh.shape["model"]
     logits = jax.jit(sequence_logits, static_argnums=1)(params, config, TOKENS)
     np.testing.assert_allclose(np.asarray(logits), reference, atol=1e-5)
 
