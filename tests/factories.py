@@ -296,3 +296,27 @@ def write_chat_gguf(path: Path, seed: int = 0, context: int = 256) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def copy_gguf(src: Path, dst: Path, replace=None, extra: dict | None = None) -> Path:
+    """Rewrite the GGUF file src as dst with the same metadata and tensors, except that `replace(tensor)` may
+    return (array, raw_dtype) for a tensor to write instead (None: unchanged; raw_dtype None: from the array),
+    and `extra` {name: array} tensors are appended."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(str(dst), "llama")
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            sub_type = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    for t in reader.tensors:
+        data, raw_dtype = (replace and replace(t)) or (np.asarray(t.data), t.tensor_type)
+        writer.add_tensor(t.name, data, raw_dtype=raw_dtype)
+    for name, data in (extra or {}).items():
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

@@ -95,14 +95,26 @@ def attention(p, c: ModelConfig, x, positions, cache_k, cache_v):
 
     groups = c.n_heads // c.n_kv_heads
     q = q.reshape(*q.shape[:2], c.n_kv_heads, groups, c.head_dim)  # [b, t, kv, g, hd]
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, cache_k.astype(q.dtype)).astype(jnp.float32)
-    scores = scores * (1.0 / np.sqrt(c.head_dim))
     visible = jnp.arange(cache_k.shape[2])[None, None, :] <= positions[:, :, None]  # [b, t, s]
-    scores = jnp.where(visible[:, None, None], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, cache_v.astype(x.dtype))
+    if x.shape[1] == 1:  # decode: 487 ms/step instead of 643 at batch 32, cache 512 (SmolLM2, this CPU)
+        out = _decode_attention(q[:, 0], cache_k, cache_v, visible[:, 0])[:, None]
+    else:
+        scores = jnp.einsum("btkgd,bksd->bkgts", q, cache_k.astype(q.dtype)).astype(jnp.float32)
+        scores = jnp.where(visible[:, None, None], scores * (1.0 / np.sqrt(c.head_dim)), -1e30)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bkgts,bksd->btkgd", probs, cache_v.astype(x.dtype))
     out = out.reshape(*out.shape[:2], c.n_heads, c.head_dim)
     return jnp.einsum("bthk,dhk->btd", out, p["wo"]), cache_k, cache_v
+
+
+def _decode_attention(q, cache_k, cache_v, visible):
+    """One query per row: q [b, kv, g, hd], cache [b, kv, s, hd], visible [b, s] -> [b, kv, g, hd]. Written as
+    products and sums, which XLA fuses into loops over the cache, instead of b * kv tiny matrix products."""
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    scores = jnp.sum(q[:, :, :, None, :] * cache_k[:, :, None, :, :].astype(q.dtype), axis=-1, dtype=jnp.float32)
+    scores = jnp.where(visible[:, None, None, :], scores * scale, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # [b, kv, g, s]
+    return jnp.sum(probs[..., None] * cache_v[:, :, None, :, :].astype(q.dtype), axis=-2)
 
 
 def mlp(p, x):

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.factories import Tiny, hf_state, meta_state, write_gguf, write_hf, write_meta
+from tests.factories import Tiny, copy_gguf, hf_state, meta_state, write_gguf, write_hf, write_meta
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -93,27 +93,10 @@ def test_hf_unsupported_architecture(tmp_path):
 
 
 def test_gguf_unsupported_tensor_type(tmp_path, tiny_state):
-    import gguf
-
     tiny, state = tiny_state
     write_gguf(tiny, state, tmp_path / "m.gguf")
-    reader = gguf.GGUFReader(tmp_path / "m.gguf")
-    writer = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
-    for field in reader.fields.values():
-        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
-            writer.add_key_value(
-                field.name, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None
-            )
-    for t in reader.tensors:
-        data = np.asarray(t.data)
-        if t.name == "blk.1.ffn_up.weight":
-            writer.add_tensor(t.name, data.astype(np.float64))
-        else:
-            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    f64 = lambda t: (np.asarray(t.data).astype(np.float64), None) if t.name == "blk.1.ffn_up.weight" else None
+    copy_gguf(tmp_path / "m.gguf", tmp_path / "bad.gguf", replace=f64)
     assert_fails(tmp_path, tmp_path / "bad.gguf", "blk.1.ffn_up.weight has type F64")
 
 

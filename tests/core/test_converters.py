@@ -13,7 +13,7 @@ import torch
 from converters.llama import convert
 from jaxllama.core.checkpoint import load_checkpoint
 from jaxllama.core.model import sequence_logits
-from tests.factories import Tiny, hf_state, meta_state, write_gguf, write_hf, write_meta
+from tests.factories import Tiny, copy_gguf, hf_state, meta_state, write_gguf, write_hf, write_meta
 
 TINIES = {
     "mqa-tied": Tiny(heads=8, kv_heads=1, tied=True, vocab=131),
@@ -77,8 +77,6 @@ def test_gguf_matches_transformers(name, tmp_path):
 
 def test_gguf_rope_freqs(tmp_path):
     """llama.cpp stores Llama 3.1 rope scaling as per-frequency factors; compare with HF's llama3 scaling."""
-    import gguf
-
     tiny = TINIES["gqa-untied-rope-scaled"]
     model = write_hf(tiny, tmp_path / "hf")
     state = hf_state(model)
@@ -96,22 +94,7 @@ def test_gguf_rope_freqs(tmp_path):
             smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
             factors.append(1 / ((1 - smooth) / 8.0 + smooth))
     write_gguf(tiny, state, tmp_path / "m.gguf")
-    # Append the rope_freqs tensor by rewriting with it.
-    reader = gguf.GGUFReader(tmp_path / "m.gguf")
-    writer = gguf.GGUFWriter(str(tmp_path / "s.gguf"), "llama")
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        writer.add_key_value(
-            field.name, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None
-        )
-    for t in reader.tensors:
-        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    writer.add_tensor("rope_freqs.weight", np.asarray(factors, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    copy_gguf(tmp_path / "m.gguf", tmp_path / "s.gguf", extra={"rope_freqs.weight": np.asarray(factors, np.float32)})
     convert(tmp_path / "s.gguf", tmp_path / "ckpt", progress=False)
     np.testing.assert_allclose(ours(tmp_path / "ckpt"), hf_logits(model), atol=1e-4)
 
@@ -126,32 +109,22 @@ def test_gguf_k_quants(tmp_path):
     write_gguf(tiny, state, tmp_path / "f.gguf")
     # Replace two weights with random but valid K-quant blocks.
     rng = np.random.default_rng(0)
-    reader = gguf.GGUFReader(tmp_path / "f.gguf")
-    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        writer.add_key_value(
-            field.name, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None
-        )
-    for t in reader.tensors:
+
+    def k_quant(t):
+        if not (t.name.endswith("attn_q.weight") or t.name.endswith("ffn_up.weight")):
+            return None
         rows = int(t.shape[1]) if len(t.shape) > 1 else 1
-        if t.name.endswith("attn_q.weight") or t.name.endswith("ffn_up.weight"):
-            kind = gguf.GGMLQuantizationType.Q4_K if "attn_q" in t.name else gguf.GGMLQuantizationType.Q6_K
-            block, size = gguf.GGML_QUANT_SIZES[kind]
-            raw = rng.integers(0, 256, size=(rows, int(t.shape[0]) // block, size), dtype=np.uint8)
-            scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-            if kind == gguf.GGMLQuantizationType.Q4_K:
-                raw[..., 0:2], raw[..., 2:4] = scale, scale  # d, dmin
-            else:
-                raw[..., -2:] = scale  # d
-            writer.add_tensor(t.name, raw.reshape(rows, -1), raw_dtype=kind)
+        kind = gguf.GGMLQuantizationType.Q4_K if "attn_q" in t.name else gguf.GGMLQuantizationType.Q6_K
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        raw = rng.integers(0, 256, size=(rows, int(t.shape[0]) // block, size), dtype=np.uint8)
+        scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        if kind == gguf.GGMLQuantizationType.Q4_K:
+            raw[..., 0:2], raw[..., 2:4] = scale, scale  # d, dmin
         else:
-            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            raw[..., -2:] = scale  # d
+        return raw.reshape(rows, -1), kind
+
+    copy_gguf(tmp_path / "f.gguf", tmp_path / "k.gguf", replace=k_quant)
     convert(tmp_path / "k.gguf", tmp_path / "ckpt", progress=False)
     oracle = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="k.gguf", dtype=torch.float32).eval()
     np.testing.assert_allclose(ours(tmp_path / "ckpt"), hf_logits(oracle), atol=1e-4)
