@@ -159,6 +159,20 @@ def write_meta(
         torch.save(tensors, out / f"consolidated.{i:02d}.pth")
 
 
+# HF layer tensor names -> llama.cpp's (blk.N.<name>.weight).
+GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
 def write_gguf(tiny: Tiny, hf: dict[str, np.ndarray], path: Path, qtypes: dict[str, str] | None = None):
     """A llama GGUF of the HF weights. qtypes: {substring of GGUF tensor name: GGML type name}."""
     import gguf
@@ -191,19 +205,8 @@ def write_gguf(tiny: Tiny, hf: dict[str, np.ndarray], path: Path, qtypes: dict[s
         "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight",
     }
-    names = {
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-    }
     for i in range(tiny.layers):
-        for a, b in names.items():
+        for a, b in GGUF_LAYER_NAMES.items():
             mapping[f"model.layers.{i}.{a}.weight"] = f"blk.{i}.{b}.weight"
     for hf_name, gguf_name in mapping.items():
         if hf_name not in hf or (tiny.tied and hf_name == "lm_head.weight"):
@@ -269,22 +272,11 @@ def write_chat_gguf(path: Path, seed: int = 0, context: int = 256) -> Path:
     w.add_eos_token_id(tokens.index("<|im_end|>"))
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML)
-    names = {
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-    }
     w.add_tensor("token_embd.weight", state["model.embed_tokens.weight"] * 10)
     w.add_tensor("output_norm.weight", state["model.norm.weight"])
     w.add_tensor("output.weight", state["lm_head.weight"] * 10)
     for i in range(tiny.layers):
-        for a, b in names.items():
+        for a, b in GGUF_LAYER_NAMES.items():
             t = state[f"model.layers.{i}.{a}.weight"]
             if b == "attn_q":
                 t = llamacpp_permute(t, tiny.heads)
