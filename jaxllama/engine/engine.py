@@ -35,6 +35,12 @@ from jaxllama.engine.sampling import SamplerFlags, SamplingParams, SamplingRows
 from jaxllama.engine.step import DecodeState, decode, prefill
 
 MAX_STOP_IDS = 32
+ROW_BUCKETS = (1, 8, 16, 32, 64)  # decode batch sizes below the slot count (see `Engine._decode_rows`)
+# XLA:CPU runs matrix products through YNNPACK, whose kernels are set up on a program's first call (~4.5 ms
+# per product: ~2 s for a SmolLM2 step). Worth it for decode (a step over 32 rows: 0.30 s against 0.60 s
+# without), not for a prefill, which runs a shape a few times at most and whose large products XLA's own
+# kernels run as fast (32 x 16 tokens: first call 2.3 s against 3.8 s, then 2.0 s against 1.9 s).
+PREFILL_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 @dataclasses.dataclass
@@ -318,7 +324,9 @@ class Engine:
         flags = SamplerFlags()
         for s in self.active.values():
             flags = flags | SamplerFlags.of([s.request.params])
-        args = (self.params, self.state, self._keep)
+        columns = self._decode_rows()
+        slots = None if len(columns) == self.slots else np.array(columns, np.int32)
+        args = (self.params, self.state, self._keep, slots)
         fn = self._compile(
             "decode",
             functools.partial(decode, config=self.config, n_steps=n_steps, flags=flags),
@@ -326,7 +334,7 @@ class Engine:
             (flags, n_steps),
         )
         start = time.perf_counter()
-        self.state, tokens, logprobs, emitted = fn(self.params, self.state, *self._put((self._keep,)))
+        self.state, tokens, logprobs, emitted = fn(self.params, self.state, *self._put((self._keep, slots)))
         tokens, logprobs, emitted = jax.device_get((tokens, logprobs, emitted))
         self.stats.decode_s += time.perf_counter() - start
         self.stats.decode_calls += 1
@@ -334,11 +342,13 @@ class Engine:
         self.stats.slot_steps += int(emitted.sum())
         self._keep = np.ones(self.slots, bool)
         updates = []
-        for slot in sorted(self.active):
+        for column, slot in enumerate(columns):
+            if slot not in self.active:
+                continue
             s = self.active[slot]
-            steps = np.flatnonzero(emitted[:, slot])
-            toks = [int(t) for t in tokens[steps, slot]]
-            lps = [float(x) for x in logprobs[steps, slot]]
+            steps = np.flatnonzero(emitted[:, column])
+            toks = [int(t) for t in tokens[steps, column]]
+            lps = [float(x) for x in logprobs[steps, column]]
             s.generated += len(toks)
             s.tokens += toks
             self.stats.generated_tokens += len(toks)
@@ -350,6 +360,18 @@ class Engine:
                 self._release(slot, s)
                 updates.append(self._finished(s, toks, lps, reason, stop_token))
         return updates
+
+    def _decode_rows(self) -> list[int]:
+        """The slots a decode step runs: every slot, or, when few are active, just those (padded with the
+        out-of-range index `slots` to the next of ROW_BUCKETS): on XLA:CPU a step over 32 rows costs ~7x one
+        over 1 row and ~2x one over 8 (SmolLM2, `benchmarks/README.md`)."""
+        active = sorted(self.active)
+        data = self.mesh.shape["data"]
+        for size in ROW_BUCKETS:
+            size = -(-size // data) * data
+            if len(active) <= size < self.slots:
+                return active + [self.slots] * (size - len(active))
+        return list(range(self.slots))
 
     def _release(self, slot: int, s: _Slot) -> None:
         """The slot is free; its cache keeps the sequence (all but the last token, never fed back)."""
@@ -454,7 +476,8 @@ class Engine:
             n_out = 3
             jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(state_shardings,) + (self._replicated,) * n_out)
             placed = (args[0], args[1], *self._put(args[2:]))
-            self._compiled[key] = jitted.lower(*placed).compile()
+            options = PREFILL_COMPILER_OPTIONS if kind == "prefill" and jax.default_backend() == "cpu" else {}
+            self._compiled[key] = jitted.lower(*placed).compile(compiler_options=options)
             self.stats.compiles += 1
             self.stats.compile_s += time.perf_counter() - start
         return self._compiled[key]

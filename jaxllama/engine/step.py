@@ -2,7 +2,7 @@
 
 - `prefill`: run new prompts (or the part of them past a prefix another slot holds), sample their first
   tokens and insert them into free decode slots;
-- `decode`: advance every slot by `n_steps` tokens, checking end of generation on device.
+- `decode`: advance every slot (or the given ones) by `n_steps` tokens, checking end of generation on device.
 
 Shapes are static per call: prompts padded to a length bucket and a row-count bucket, the cache to a
 length bucket (`kvcache.py`), so the number of compilations stays small and bounded.
@@ -58,32 +58,56 @@ def _advance(state: DecodeState, tokens, logprobs, was_active):
     )
 
 
-def decode(params, state: DecodeState, keep, *, config: ModelConfig, n_steps: int, flags: SamplerFlags):
-    """n_steps decode steps for all slots. keep [s] bool: false cancels a slot first.
+def decode(params, state: DecodeState, keep, slots=None, *, config: ModelConfig, n_steps: int, flags: SamplerFlags):
+    """n_steps decode steps. keep [s] bool: false cancels a slot first. slots [b] int32 (optional): run only
+    these slots (an index >= s pads the batch), so that a few active sequences do not pay for all s rows.
 
-    Returns (state, tokens [n_steps, s], logprobs [n_steps, s], emitted [n_steps, s] bool).
+    Returns (state, tokens [n_steps, b], logprobs [n_steps, b], emitted [n_steps, b] bool), where b = s
+    without `slots`.
     """
     state = dataclasses.replace(state, active=state.active & keep)
+    rows = state if slots is None else _gather(state, slots)
 
-    def one(state, _):
+    def one(carry, _):
+        rows, cache = carry
         logits, cache = forward(
             params,
             config,
-            state.tokens[:, None],
-            state.positions[:, None],
-            state.cache,
-            logits_at=jnp.zeros_like(state.tokens),
+            rows.tokens[:, None],
+            rows.positions[:, None],
+            cache,
+            logits_at=jnp.zeros_like(rows.tokens),
+            rows=slots,
         )
-        state = dataclasses.replace(state, cache=cache)
-        tokens, logprobs = sample(logits, state.rows, state.step, flags, state.counts, state.seen)
-        was_active = state.active
-        return _advance(state, tokens, logprobs, was_active), (tokens, logprobs, was_active)
+        tokens, logprobs = sample(logits, rows.rows, rows.step, flags, rows.counts, rows.seen)
+        was_active = rows.active
+        return (_advance(rows, tokens, logprobs, was_active), cache), (tokens, logprobs, was_active)
 
+    carry = (dataclasses.replace(rows, cache=[]), state.cache)
     if n_steps == 1:
-        state, out = one(state, None)
-        return state, *(x[None] for x in out)
-    state, (tokens, logprobs, emitted) = jax.lax.scan(one, state, None, length=n_steps)
-    return state, tokens, logprobs, emitted
+        carry, out = one(carry, None)
+        out = tuple(x[None] for x in out)
+    else:
+        carry, out = jax.lax.scan(one, carry, None, length=n_steps)
+    rows, cache = carry
+    state = rows if slots is None else _scatter(state, rows, slots)
+    return dataclasses.replace(state, cache=cache), *out
+
+
+def _gather(state: DecodeState, slots) -> DecodeState:
+    """The per-slot fields of `slots` (padding indices >= s come back inactive); the cache stays whole."""
+    rows = jax.tree.map(lambda x: jnp.take(x, slots, axis=0, mode="clip"), dataclasses.replace(state, cache=[]))
+    return dataclasses.replace(rows, active=rows.active & (slots < state.active.shape[0]))
+
+
+def _scatter(state: DecodeState, rows: DecodeState, slots) -> DecodeState:
+    """`state` with the per-slot fields of `slots` replaced by `rows` (padding indices write nothing)."""
+    fields = jax.tree.map(
+        lambda big, small: big.at[slots].set(small, mode="drop"),
+        dataclasses.replace(state, cache=[]),
+        dataclasses.replace(rows, cache=[]),
+    )
+    return dataclasses.replace(fields, cache=state.cache)
 
 
 def prefill(

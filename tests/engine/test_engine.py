@@ -74,6 +74,27 @@ def test_greedy_matches_full_forward_with_refilled_slots(tiny, expected):
     assert engine.stats.prefill_calls >= 3 and engine.stats.occupancy(engine.slots) > 0.3
 
 
+@pytest.mark.parametrize("spec, steps", [("data=1,model=1", 1), ("data=2,model=2", 3)])
+def test_few_active_slots_decode_alone(tiny, expected, spec, steps):
+    """10 requests in 32 slots: decode steps run only the active slots (16, then 8 rows, or one when one is left), reading and
+    writing their rows of the shared cache in place; the tokens stay those of the full forward."""
+    config, params = tiny
+    mesh = make_mesh(config, spec, jax.devices()[: 4 if "2" in spec else 1])
+    engine = Engine(config, params, mesh, eos_ids=[EOS], max_slots=32, decode_steps=steps)
+    sizes = []
+    decode_rows = engine._decode_rows
+    engine._decode_rows = lambda: sizes.append(len(rows := decode_rows())) or rows
+    tokens, _ = run(engine, greedy_requests())
+    assert tokens == expected
+    data = mesh.shape["data"]
+    assert sizes[0] == 16 and 8 in sizes and set(sizes) <= {data, 8, 16}
+
+    sizes.clear()  # one request alone: one row (two on a data axis of 2)
+    alone = greedy_requests()[3]
+    assert run(engine, [alone])[0][alone.id] == expected[alone.id]
+    assert set(sizes) == {data}
+
+
 @pytest.mark.parametrize(
     "spec, steps", [("data=1,model=2", 1), ("data=2,model=2", 1), ("data=1,model=4", 1), ("data=2,model=4", 3)]
 )
