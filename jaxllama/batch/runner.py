@@ -194,6 +194,7 @@ def summary(stats: JobStats, llm, before) -> dict:
         "completion_tokens": stats.completion_tokens,
         "wall_s": round(stats.wall_s, 3),
         "compile_s": round(e.compile_s - before.compile_s, 3),
+        "programs": e.compiles - before.compiles,
         "requests_per_s": round((stats.ok + stats.failed) / wall, 3),
         "output_tokens_per_s": round(stats.completion_tokens / wall, 2),
         "prefill_tokens_per_s": round(prefill_tokens / prefill_s, 1) if prefill_s else 0.0,
@@ -229,7 +230,8 @@ def print_summary(s: dict, file=sys.stderr) -> None:
     lines = [
         f"requests: {s['ok']} ok, {s['failed']} failed" + (f", {s['skipped']} already done" if s["skipped"] else ""),
         f"tokens: {s['prompt_tokens']} prompt, {s['completion_tokens']} completion",
-        f"time: {s['wall_s']:.1f} s wall ({s['compile_s']:.1f} s compiling); {s['requests_per_s']:.2f} requests/s",
+        f"time: {s['wall_s']:.1f} s wall ({s['compile_s']:.1f} s compiling or loading {s['programs']} programs); "
+        f"{s['requests_per_s']:.2f} requests/s",
         f"throughput: {s['output_tokens_per_s']:.1f} output tok/s; prefill {s['prefill_tokens_per_s']:.0f} tok/s, "
         f"decode {s['decode_tokens_per_s']:.1f} tok/s",
         f"latency: TTFT p50 {s['ttft_ms_p50']:.0f} ms, p95 {s['ttft_ms_p95']:.0f} ms; slot occupancy "
