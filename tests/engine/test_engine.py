@@ -76,8 +76,9 @@ def test_greedy_matches_full_forward_with_refilled_slots(tiny, expected):
 
 @pytest.mark.parametrize("spec, steps", [("data=1,model=1", 1), ("data=2,model=2", 3)])
 def test_few_active_slots_decode_alone(tiny, expected, spec, steps):
-    """10 requests in 32 slots: decode steps run only the active slots (16, then 8 rows, or one when one is left), reading and
-    writing their rows of the shared cache in place; the tokens stay those of the full forward."""
+    """10 requests in 32 slots: decode steps run only the active slots (16, then 8 rows, or one when one is
+    left), reading and writing their rows of the shared cache in place; the tokens stay those of the full
+    forward."""
     config, params = tiny
     mesh = make_mesh(config, spec, jax.devices()[: 4 if "2" in spec else 1])
     engine = Engine(config, params, mesh, eos_ids=[EOS], max_slots=32, decode_steps=steps)
