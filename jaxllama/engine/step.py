@@ -103,7 +103,7 @@ def _gather(state: DecodeState, slots) -> DecodeState:
 def _scatter(state: DecodeState, rows: DecodeState, slots) -> DecodeState:
     """`state` with the per-slot fields of `slots` replaced by `rows` (padding indices write nothing)."""
     fields = jax.tree.map(
-        lambda big, small: big.at[slots].set(small, mode="drop"),
+        lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop"),
         dataclasses.replace(state, cache=[]),
         dataclasses.replace(rows, cache=[]),
     )
@@ -168,9 +168,8 @@ def prefill(
     # The first token is sampled as if from a decode step at the prompt's last position.
     fresh = _advance(fresh, first, logprobs, jnp.ones((n,), bool))
 
-    def put(big, small):
-        return big.at[slots].set(small.astype(big.dtype), mode="drop")
-
+    if stop_ids.shape[1] != state.stop_ids.shape[1]:
+        raise ValueError("stop_ids width mismatch")
     new_cache = [
         (
             k.at[slots, :, :span].set(nk.astype(k.dtype), mode="drop"),
@@ -178,14 +177,5 @@ def prefill(
         )
         for (k, v), (nk, nv) in zip(state.cache, cache, strict=True)
     ]
-    fields = {
-        f.name: put(getattr(state, f.name), getattr(fresh, f.name))
-        for f in dataclasses.fields(DecodeState)
-        if f.name not in ("cache", "rows", "stop_ids")
-    }
-    if stop_ids.shape[1] != state.stop_ids.shape[1]:
-        raise ValueError("stop_ids width mismatch")
-    state = DecodeState(
-        cache=new_cache, rows=jax.tree.map(put, state.rows, new_rows), stop_ids=put(state.stop_ids, stop_ids), **fields
-    )
+    state = dataclasses.replace(_scatter(state, fresh, slots), cache=new_cache)
     return state, first, logprobs, fresh.active
