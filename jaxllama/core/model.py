@@ -14,11 +14,11 @@ Rotary embeddings use Meta's convention: dimension pairs (2i, 2i+1) of each head
 weights already are; Hugging Face's q/k projections are permuted back; GGUF files already hold
 Meta's layout (llama.cpp's converter undoes Hugging Face's permutation).
 
-The KV cache is an explicit input and output: per layer a pair (k, v) of [batch, kv_heads, cache_len,
-head_dim]. A call writes the keys/values of its tokens at their positions, then every query attends to
-the cache entries at positions <= its own. The same code runs a whole sequence (a fresh cache as long
-as the sequence), a prefill (a fresh cache as long as the bucket) and a decode step (one token per row,
-each row at its own position).
+The KV cache is an explicit input and output: per layer a pair (k, v), keys [batch, kv_heads, head_dim,
+cache_len] and values [batch, kv_heads, cache_len, head_dim] (`cache_shapes`). A call writes the
+keys/values of its tokens at their positions, then every query attends to the cache entries at positions
+<= its own. The same code runs a whole sequence (a fresh cache as long as the sequence), a prefill (a fresh
+cache as long as the bucket) and a decode step (one token per row, each row at its own position).
 """
 
 from __future__ import annotations
@@ -32,7 +32,19 @@ import numpy as np
 
 from jaxllama.core.config import ModelConfig
 
-KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v): [batch, kv_heads, cache_len, head_dim]
+KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v); see `cache_shapes`
+
+# The cache's logical axes and length axis, for keys and for values. Keys are stored transposed, so that the
+# q.k products of a decode step run along the cached positions: 1.6x faster attention on XLA:CPU (SmolLM2,
+# 32 rows over 128 positions: 37 ms per step against 60).
+CACHE_AXES = (("batch", "kv_heads", "head_dim", "cache_seq"), ("batch", "kv_heads", "cache_seq", "head_dim"))
+CACHE_LENGTH_AXIS = (3, 2)
+
+
+def cache_shapes(config: ModelConfig, batch: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of one layer's keys and values."""
+    kv, hd = config.n_kv_heads, config.head_dim
+    return (batch, kv, hd, length), (batch, kv, length, hd)
 
 
 def rope_frequencies(config: ModelConfig) -> np.ndarray:
@@ -92,7 +104,8 @@ def rms_norm(p, x: jax.Array, eps: float) -> jax.Array:
 
 
 def attention(p, c: ModelConfig, x, positions, cache_k, cache_v, rows=None):
-    """x [b, t, dim], positions [b, t]; cache_k/v [n, kv_heads, s, head_dim] -> (out, cache_k, cache_v).
+    """x [b, t, dim], positions [b, t]; cache_k [n, kv_heads, head_dim, s], cache_v [n, kv_heads, s, head_dim]
+    -> (out, cache_k, cache_v).
 
     `rows` [b] (optional): the cache row of each x row (n may then exceed b; an index >= n writes nothing);
     by default row i of x is row i of the cache (n == b)."""
@@ -103,7 +116,7 @@ def attention(p, c: ModelConfig, x, positions, cache_k, cache_v, rows=None):
 
     # Write this call's keys/values at their positions (rows past the cache's end are dropped).
     at = (jnp.arange(x.shape[0]) if rows is None else rows)[:, None]
-    cache_k = cache_k.at[at, :, positions].set(k.astype(cache_k.dtype), mode="drop")
+    cache_k = cache_k.at[at, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
     cache_v = cache_v.at[at, :, positions].set(v.astype(cache_v.dtype), mode="drop")
     keys, values = cache_k, cache_v
     if rows is not None:  # this batch's rows, read in place: XLA fuses the gather into the attention loops.
@@ -112,11 +125,11 @@ def attention(p, c: ModelConfig, x, positions, cache_k, cache_v, rows=None):
 
     groups = c.n_heads // c.n_kv_heads
     q = q.reshape(*q.shape[:2], c.n_kv_heads, groups, c.head_dim)  # [b, t, kv, g, hd]
-    visible = jnp.arange(keys.shape[2])[None, None, :] <= positions[:, :, None]  # [b, t, s]
+    visible = jnp.arange(values.shape[2])[None, None, :] <= positions[:, :, None]  # [b, t, s]
     if x.shape[1] == 1:  # decode: 487 ms/step instead of 643 at batch 32, cache 512 (SmolLM2, this CPU)
         out = _decode_attention(q[:, 0], keys, values, visible[:, 0])[:, None]
     else:
-        scores = jnp.einsum("btkgd,bksd->bkgts", q, keys.astype(q.dtype)).astype(jnp.float32)
+        scores = jnp.einsum("btkgd,bkds->bkgts", q, keys.astype(q.dtype)).astype(jnp.float32)
         scores = jnp.where(visible[:, None, None], scores * (1.0 / np.sqrt(c.head_dim)), -1e30)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bkgts,bksd->btkgd", probs, values.astype(x.dtype))
@@ -125,10 +138,11 @@ def attention(p, c: ModelConfig, x, positions, cache_k, cache_v, rows=None):
 
 
 def _decode_attention(q, cache_k, cache_v, visible):
-    """One query per row: q [b, kv, g, hd], cache [b, kv, s, hd], visible [b, s] -> [b, kv, g, hd]. Written as
-    products and sums, which XLA fuses into loops over the cache, instead of b * kv tiny matrix products."""
+    """One query per row: q [b, kv, g, hd], cache_k [b, kv, hd, s], cache_v [b, kv, s, hd], visible [b, s] ->
+    [b, kv, g, hd]. Written as products and sums, which XLA fuses into loops over the cache, instead of b * kv
+    tiny matrix products."""
     scale = 1.0 / np.sqrt(q.shape[-1])
-    scores = jnp.sum(q[:, :, :, None, :] * cache_k[:, :, None, :, :].astype(q.dtype), axis=-1, dtype=jnp.float32)
+    scores = jnp.sum(q[..., None] * cache_k[:, :, None].astype(q.dtype), axis=-2, dtype=jnp.float32)
     scores = jnp.where(visible[:, None, None, :], scores * scale, -1e30)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # [b, kv, g, s]
     return jnp.sum(probs[..., None] * cache_v[:, :, None, :, :].astype(q.dtype), axis=-2)
@@ -150,18 +164,39 @@ def block(p, c: ModelConfig, x, positions, cache_k, cache_v, rows=None):
     return x, cache_k, cache_v
 
 
-def llama(params, c: ModelConfig, tokens, positions, cache: KVCache, logits_at=None, rows=None):
-    """tokens [b, t], positions [b, t], cache -> (logits float32, cache); see `Llama`."""
-    x = jnp.take(params["embedding"], tokens, axis=0)
+def embed(params, tokens):
+    """The input vectors [b, t, dim] of tokens [b, t]."""
+    return jnp.take(params["embedding"], tokens, axis=0)
+
+
+def layers(layer_params: list, c: ModelConfig, x, positions, cache: KVCache, rows=None):
+    """Consecutive decoder layers (their params and caches in order): x -> (x, cache). The engine runs a
+    model as a few of these programs in turn (see `engine/step.py`)."""
     new_cache = []
-    for i in range(c.n_layers):
-        x, k, v = block(params[f"layers_{i}"], c, x, positions, *cache[i], rows)
+    for p, (k, v) in zip(layer_params, cache, strict=True):
+        x, k, v = block(p, c, x, positions, k, v, rows)
         new_cache.append((k, v))
+    return x, new_cache
+
+
+def head(params, c: ModelConfig, x, logits_at=None):
+    """Final norm and output projection: x [b, t, dim] -> float32 logits [b, t, vocab], or [b, vocab] at time
+    index logits_at [b] of each row."""
     x = rms_norm(params["norm"], x, c.norm_eps)
     if logits_at is not None:
         x = x[jnp.arange(x.shape[0]), logits_at]
-    logits = linear(x, params["embedding"] if c.tie_embeddings else params["output"])
-    return logits.astype(jnp.float32), new_cache
+    return linear(x, params["embedding"] if c.tie_embeddings else params["output"]).astype(jnp.float32)
+
+
+def layer_params(params, c: ModelConfig, start: int = 0, stop: int | None = None) -> list:
+    """The params of layers [start, stop), in order."""
+    return [params[f"layers_{i}"] for i in range(start, c.n_layers if stop is None else stop)]
+
+
+def llama(params, c: ModelConfig, tokens, positions, cache: KVCache, logits_at=None, rows=None):
+    """tokens [b, t], positions [b, t], cache -> (logits float32, cache); see `Llama`."""
+    x, cache = layers(layer_params(params, c), c, embed(params, tokens), positions, cache, rows)
+    return head(params, c, x, logits_at), cache
 
 
 # ---- the declarations: every parameter's shape, initializer and logical axes ------------------------
@@ -244,9 +279,9 @@ class Llama(nn.Module):
 
 
 def empty_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:
-    """A zero KV cache: per layer (k, v) of [batch, kv_heads, length, head_dim]."""
-    shape = (batch, config.n_kv_heads, length, config.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.n_layers)]
+    """A zero KV cache of `length` positions."""
+    k, v = cache_shapes(config, batch, length)
+    return [(jnp.zeros(k, dtype), jnp.zeros(v, dtype)) for _ in range(config.n_layers)]
 
 
 def forward(params, config: ModelConfig, tokens, positions, cache: KVCache, logits_at=None, rows=None):

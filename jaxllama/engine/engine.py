@@ -27,14 +27,26 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllama.core.config import ModelConfig
+from jaxllama.core.model import layer_params
 from jaxllama.core.sharding import named_sharding
 from jaxllama.engine import kvcache
 from jaxllama.engine.prefix import ResidentPrefixes, shared_prefixes
 from jaxllama.engine.runtime import agreed_seed
 from jaxllama.engine.sampling import SamplerFlags, SamplingParams, SamplingRows
-from jaxllama.engine.step import DecodeState, decode, prefill
+from jaxllama.engine.step import (
+    DecodeState,
+    decode_inputs,
+    decode_layers,
+    decode_outputs,
+    prefill_inputs,
+    prefill_last,
+    prefill_layers,
+    prefill_outputs,
+)
 
 MAX_STOP_IDS = 32
+# Decoder layers per compiled program (`step.py`): SmolLM2's 30 layers run as 6 calls of one program.
+LAYERS_PER_PROGRAM = 5
 ROW_BUCKETS = (1, 8, 16, 32, 64)  # decode batch sizes below the slot count (see `Engine._decode_rows`)
 # XLA:CPU runs matrix products through YNNPACK, whose kernels are set up on a program's first call (~4.5 ms
 # per product: ~2 s for a SmolLM2 step). Worth it for decode (a step over 32 rows: 0.30 s against 0.60 s
@@ -122,6 +134,7 @@ class Engine:
         max_context: int | None = None,
         decode_steps: int = 1,
         min_cache: int = kvcache.MIN_BUCKET,
+        layers_per_program: int = LAYERS_PER_PROGRAM,
     ):
         self.config, self.params, self.mesh = config, params, mesh
         self.eos_ids = tuple(sorted(set(int(i) for i in eos_ids)))
@@ -137,9 +150,19 @@ class Engine:
         self.cancelled: set[int] = set()
         self._compiled: dict = {}
         self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._activations = NamedSharding(mesh, PartitionSpec("data"))  # [batch, ...], batch over `data`
         self._rows = named_sharding(mesh, config, ("batch",))
         self._seeds = random.Random(agreed_seed())  # for requests without a seed: the same on every process
-        self.state = self._initial_state(kvcache.bucket(min_cache, self.max_context))
+        # The params outside the layers (embedding, final norm, output), and the layers' in runs of
+        # `layers_per_program`.
+        self._outer = {k: v for k, v in params.items() if not k.startswith("layers_")}
+        n = config.n_layers
+        self._runs = [(a, min(a + layers_per_program, n)) for a in range(0, n, layers_per_program)]
+        self._run_params = [layer_params(params, config, a, b) for a, b in self._runs]
+        self.state = self._initial_state()
+        self.cache = kvcache.allocate(
+            self.config, mesh, self.slots, kvcache.bucket(min_cache, self.max_context), self.dtype
+        )
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -288,18 +311,31 @@ class Engine:
         if flags.penalize:
             for i, (r, *_) in enumerate(rows):
                 seen[i, r.prompt] = True
-        args = (self.params, self.state, tokens, starts, lengths, sources, slot_ids, seen, sampling, max_tokens)
-        args += (limits, stop_ids)
-        fn = self._compile(
-            "prefill", functools.partial(prefill, config=self.config, flags=flags, span=span), args, (flags, span)
-        )
+        compiling = self.stats.compile_s
         start = time.perf_counter()
-        self.state, first, logprobs, still = fn(*args[:2], *self._put(args[2:]))
+        tokens, starts, lengths_d, sources, slot_ids, seen, sampling, max_tokens, limits, stop_ids = self._put(
+            (tokens, starts, lengths, sources, slot_ids, seen, sampling, max_tokens, limits, stop_ids)
+        )
+        x, positions = self._program("prefill_inputs", prefill_inputs, (self._outer, tokens, starts))(
+            self._outer, tokens, starts
+        )
+        x = self._layers(
+            "prefill_layers",
+            functools.partial(prefill_layers, config=self.config, span=span),
+            x,
+            positions,
+            (sources, slot_ids),
+            span,
+        )
+        x = self._program("prefill_last", prefill_last, (x, lengths_d))(x, lengths_d)
+        args = (self._outer, self.state, x, starts, lengths_d, slot_ids, seen, sampling, max_tokens, limits, stop_ids)
+        fn = functools.partial(prefill_outputs, config=self.config, flags=flags)
+        self.state, first, logprobs, still = self._program("prefill_outputs", fn, args, flags, donate=1)(*args)
         first, logprobs, still = jax.device_get((first, logprobs, still))
         now = time.perf_counter()
         self.stats.prefill_calls += 1
         self.stats.prefill_tokens += int(lengths[: len(rows)].sum())
-        self.stats.prefill_s += now - start
+        self.stats.prefill_s += now - start - (self.stats.compile_s - compiling)
         for r, _, _, _, slot in rows:
             self._keep[slot] = True  # a cancelled slot refilled now: the cancel must not hit its new request
             self.prefixes.hold(slot, r.prompt)
@@ -325,18 +361,22 @@ class Engine:
         for s in self.active.values():
             flags = flags | SamplerFlags.of([s.request.params])
         columns = self._decode_rows()
-        slots = None if len(columns) == self.slots else np.array(columns, np.int32)
-        args = (self.params, self.state, self._keep, slots)
-        fn = self._compile(
-            "decode",
-            functools.partial(decode, config=self.config, n_steps=n_steps, flags=flags),
-            args,
-            (flags, n_steps),
-        )
+        compiling = self.stats.compile_s
         start = time.perf_counter()
-        self.state, tokens, logprobs, emitted = fn(self.params, self.state, *self._put((self._keep, slots)))
-        tokens, logprobs, emitted = jax.device_get((tokens, logprobs, emitted))
-        self.stats.decode_s += time.perf_counter() - start
+        slots, keep = self._put((None if len(columns) == self.slots else np.array(columns, np.int32), self._keep))
+        layers_fn = functools.partial(decode_layers, config=self.config)
+        outputs_fn = functools.partial(decode_outputs, config=self.config, flags=flags)
+        steps = []
+        for _ in range(n_steps):  # no host round trip between steps: each reads the last one's state on device
+            args = (self._outer, self.state, slots)
+            x, positions = self._program("decode_inputs", decode_inputs, args)(*args)
+            x = self._layers("decode_layers", layers_fn, x, positions, (slots,))
+            args = (self._outer, self.state, keep, x, slots)
+            self.state, *out = self._program("decode_outputs", outputs_fn, args, flags, donate=1)(*args)
+            steps.append(out)
+            keep = self._put(np.ones(self.slots, bool))
+        tokens, logprobs, emitted = (np.stack(x) for x in zip(*jax.device_get(steps), strict=True))
+        self.stats.decode_s += time.perf_counter() - start - (self.stats.compile_s - compiling)
         self.stats.decode_calls += 1
         self.stats.decode_steps += n_steps
         self.stats.slot_steps += int(emitted.sum())
@@ -411,9 +451,8 @@ class Engine:
 
     # ---- device state -----------------------------------------------------------------------------
 
-    def _initial_state(self, length: int) -> DecodeState:
+    def _initial_state(self) -> DecodeState:
         s, v = self.slots, self.config.vocab_size
-        cache = kvcache.allocate(self.config, self.mesh, s, length, self.dtype)
         host = dict(
             tokens=np.zeros(s, np.int32),
             positions=np.zeros(s, np.int32),
@@ -429,7 +468,6 @@ class Engine:
         )
         counts, seen = zeros()
         return DecodeState(
-            cache=cache,
             rows=jax.tree.map(lambda x: self._put_rows(x), rows),
             counts=counts,
             seen=seen,
@@ -441,17 +479,16 @@ class Engine:
         when far more than that."""
         for s in self.active.values():
             needed = max(needed, s.length + s.generated + self.decode_steps)
-        current = self.state.cache[0][0].shape[2]
+        current = kvcache.length(self.cache)
         target = kvcache.bucket(needed, self.max_context)
         if target > current or target <= current // 4:
             start = time.perf_counter()
-            sharding = kvcache.cache_sharding(self.config, self.mesh)
             resize = jax.jit(
                 kvcache.resize,
                 static_argnums=1,  # no donation: the new cache has another shape
-                out_shardings=[(sharding, sharding)] * self.config.n_layers,
+                out_shardings=[kvcache.cache_sharding(self.config, self.mesh)] * self.config.n_layers,
             )
-            self.state = dataclasses.replace(self.state, cache=resize(self.state.cache, target))
+            self.cache = resize(self.cache, target)
             self.prefixes.truncate(target)
             self.stats.cache_resizes += 1
             self.stats.decode_s += time.perf_counter() - start
@@ -464,20 +501,30 @@ class Engine:
     def _put(self, xs):
         return jax.tree.map(lambda x: _global(np.asarray(x), self._replicated), xs)
 
-    def _compile(self, kind, fn, args, static_key):
-        """Ahead-of-time compile per (kind, shapes, static switches); time it for the statistics."""
-        shapes = jax.tree.map(
-            lambda x: (np.shape(x), str(np.asarray(x).dtype) if isinstance(x, np.ndarray) else str(x.dtype)), args[1:]
-        )
-        key = (kind, str(shapes), static_key)
+    def _layers(self, kind: str, fn, x, positions, extra: tuple, static_key=None):
+        """Run every layer on x, one program call per run of layers; each call updates its layers' cache."""
+        sharding = kvcache.cache_sharding(self.config, self.mesh)
+        for (a, b), params in zip(self._runs, self._run_params, strict=True):
+            args = (params, x, positions, self.cache[a:b], *extra)
+            out = (self._activations, [sharding] * (b - a))
+            x, self.cache[a:b] = self._program(kind, fn, args, static_key, donate=3, out=out)(*args)
+        return x
+
+    def _program(self, kind: str, fn, args, static_key=None, donate: int | None = None, out=None):
+        """The compiled program for (kind, the shapes of args, static switches), compiled ahead of time on first
+        use (and timed for the statistics). Its outputs: `out` shardings, by default
+        (state, replicated...) for `*_outputs` and activations otherwise."""
+        leaves, tree = jax.tree.flatten(args)
+        key = (kind, tree, tuple((x.shape, x.dtype) for x in leaves), static_key)
         if key not in self._compiled:
             start = time.perf_counter()
-            state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
-            n_out = 3
-            jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(state_shardings,) + (self._replicated,) * n_out)
-            placed = (args[0], args[1], *self._put(args[2:]))
-            options = PREFILL_COMPILER_OPTIONS if kind == "prefill" and jax.default_backend() == "cpu" else {}
-            self._compiled[key] = jitted.lower(*placed).compile(compiler_options=options)
+            if out is None:
+                state = jax.tree.map(lambda x: x.sharding, self.state)
+                out = (state,) + (self._replicated,) * 3 if kind.endswith("outputs") else self._activations
+            jitted = jax.jit(fn, donate_argnums=() if donate is None else (donate,), out_shardings=out)
+            cpu = jax.default_backend() == "cpu"
+            options = PREFILL_COMPILER_OPTIONS if kind.startswith("prefill") and cpu else {}
+            self._compiled[key] = jitted.lower(*args).compile(compiler_options=options)
             self.stats.compiles += 1
             self.stats.compile_s += time.perf_counter() - start
         return self._compiled[key]

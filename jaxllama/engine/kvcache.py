@@ -1,4 +1,4 @@
-"""The decode slots' KV cache: per layer (k, v) of [slots, kv_heads, length, head_dim].
+"""The decode slots' KV cache: per layer (k, v) in the model's layout (`model.cache_shapes`), batch = slots.
 
 `length` is a bucket, not the model's context: the cache grows to the next bucket when a sequence
 needs it and shrinks when the long sequences are gone, so attention reads only about the part in use.
@@ -13,15 +13,20 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxllama.core.config import ModelConfig
-from jaxllama.core.model import KVCache
+from jaxllama.core.model import CACHE_AXES, CACHE_LENGTH_AXIS, KVCache, cache_shapes
 from jaxllama.core.sharding import named_sharding
 
-CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
 MIN_BUCKET = 64
 
 
 def cache_sharding(config: ModelConfig, mesh: Mesh):
-    return named_sharding(mesh, config, CACHE_AXES)
+    """The shardings of one layer's (keys, values)."""
+    return tuple(named_sharding(mesh, config, axes) for axes in CACHE_AXES)
+
+
+def length(cache: KVCache) -> int:
+    """The positions the cache holds."""
+    return cache[0][0].shape[CACHE_LENGTH_AXIS[0]]
 
 
 def bucket(n: int, limit: int, minimum: int = MIN_BUCKET) -> int:
@@ -45,16 +50,17 @@ def prompt_bucket(n: int, limit: int) -> int:
 
 
 def allocate(config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype) -> KVCache:
-    sharding = cache_sharding(config, mesh)
-    shape = (slots, config.n_kv_heads, length, config.head_dim)
-    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return [(make(), make()) for _ in range(config.n_layers)]
+    shapes, shardings = cache_shapes(config, slots, length), cache_sharding(config, mesh)
+    make = [jax.jit(lambda s=s: jnp.zeros(s, dtype), out_shardings=d) for s, d in zip(shapes, shardings, strict=True)]
+    return [(make[0](), make[1]()) for _ in range(config.n_layers)]
 
 
 def resize(cache: KVCache, length: int) -> KVCache:
     """The same cache with `length` positions: zero-padded when growing, truncated when shrinking."""
-    current = cache[0][0].shape[2]
-    if length >= current:
-        pad = ((0, 0), (0, 0), (0, length - current), (0, 0))
-        return jax.tree.map(lambda x: jnp.pad(x, pad), cache)
-    return jax.tree.map(lambda x: x[:, :, :length], cache)
+
+    def one(x, axis):
+        if length >= x.shape[axis]:
+            return jnp.pad(x, [(0, length - x.shape[axis]) if i == axis else (0, 0) for i in range(x.ndim)])
+        return jax.lax.slice_in_dim(x, 0, length, axis=axis)
+
+    return [(one(k, CACHE_LENGTH_AXIS[0]), one(v, CACHE_LENGTH_AXIS[1])) for k, v in cache]

@@ -1,8 +1,15 @@
-"""The engine's jitted core, pure functions over a `DecodeState` pytree (donated and returned):
+"""The engine's jitted core: pure functions over the slots' `DecodeState` and KV cache (both donated and
+returned).
 
-- `prefill`: run new prompts (or the part of them past a prefix another slot holds), sample their first
+A prefill or a decode step runs as a few programs in turn: `*_inputs` (embed), `*_layers` over each run of
+`layers_per_program` consecutive layers (the same compiled program for every run of equal length), then
+`*_outputs` (final norm, logits, sampling, slot bookkeeping). On XLA:CPU, a program of 5 layers compiles and
+sets up its kernels in a fraction of the time a 30-layer program takes, is compiled once for all runs of
+layers, and costs nothing measurable per step against one program (`benchmarks/README.md`).
+
+- prefill: run new prompts (or the part of them past a prefix another slot holds), sample their first
   tokens and insert them into free decode slots;
-- `decode`: advance every slot (or the given ones) by `n_steps` tokens, checking end of generation on device.
+- decode: advance every slot (or the given ones) by one token, checking end of generation on device.
 
 Shapes are static per call: prompts padded to a length bucket and a row-count bucket, the cache to a
 length bucket (`kvcache.py`), so the number of compilations stays small and bounded.
@@ -16,16 +23,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxllama.core.config import ModelConfig
-from jaxllama.core.model import KVCache, forward
+from jaxllama.core.model import KVCache, embed, head, layers
 from jaxllama.engine.sampling import SamplerFlags, SamplingRows, sample
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:
-    """Everything the decode loop carries, per slot; [s] = [slots]."""
+    """Everything the decode loop carries per slot besides the KV cache; [s] = [slots]."""
 
-    cache: KVCache
     tokens: jax.Array  # [s] int32: the next input token (last one sampled)
     positions: jax.Array  # [s] int32: its position
     active: jax.Array  # [s] bool: still generating
@@ -38,14 +44,22 @@ class DecodeState:
     seen: jax.Array  # [s, vocab] bool: prompt or generated tokens (repetition penalty)
 
 
-def _advance(state: DecodeState, tokens, logprobs, was_active):
-    """Record sampled tokens [s] for the rows that were active; decide which rows are done."""
+def _advance(state: DecodeState, tokens, was_active, penalties: bool):
+    """Record sampled tokens [s] for the rows that were active; decide which rows are done. The token counts
+    are kept only when some row uses `penalties`: a request's slot then gets them zeroed at its prefill and
+    updated at every step while it runs, and no other slot's counts are ever read."""
     tokens = jnp.where(was_active, tokens, state.tokens)
     hit_stop = jnp.any(tokens[:, None] == state.stop_ids, axis=-1)
     remaining = state.remaining - was_active
     positions = jnp.where(was_active, state.positions + 1, state.positions)
     done = hit_stop | (remaining <= 0) | (positions + 1 >= state.limit)
     rows = jnp.arange(tokens.shape[0])
+    if penalties:
+        state = dataclasses.replace(
+            state,
+            counts=state.counts.at[rows, tokens].add(was_active.astype(jnp.int32)),
+            seen=state.seen.at[rows, tokens].max(was_active),
+        )
     return dataclasses.replace(
         state,
         tokens=tokens,
@@ -53,70 +67,94 @@ def _advance(state: DecodeState, tokens, logprobs, was_active):
         remaining=remaining,
         active=was_active & ~done,
         step=state.step + was_active,
-        counts=state.counts.at[rows, tokens].add(was_active.astype(jnp.int32)),
-        seen=state.seen.at[rows, tokens].max(was_active),
     )
 
 
-def decode(params, state: DecodeState, keep, slots=None, *, config: ModelConfig, n_steps: int, flags: SamplerFlags):
-    """n_steps decode steps. keep [s] bool: false cancels a slot first. slots [b] int32 (optional): run only
-    these slots (an index >= s pads the batch), so that a few active sequences do not pay for all s rows.
+def decode_inputs(params, state: DecodeState, slots=None):
+    """A decode step's inputs: the next token of each row, embedded [b, 1, dim], and its position [b, 1]. slots
+    [b] int32 (optional): run only these slots (an index >= s pads the batch), so that a few active
+    sequences do not pay for all s rows."""
+    tokens, positions = state.tokens, state.positions
+    if slots is not None:
+        tokens, positions = (jnp.take(x, slots, axis=0, mode="clip") for x in (tokens, positions))
+    return embed(params, tokens[:, None]), positions[:, None]
 
-    Returns (state, tokens [n_steps, b], logprobs [n_steps, b], emitted [n_steps, b] bool), where b = s
-    without `slots`.
+
+def decode_layers(layer_params, x, positions, cache: KVCache, slots=None, *, config: ModelConfig):
+    """Some consecutive layers of a decode step; each row reads and writes its slot's row of their cache."""
+    return layers(layer_params, config, x, positions, cache, rows=slots)
+
+
+def decode_outputs(params, state: DecodeState, keep, x, slots=None, *, config: ModelConfig, flags: SamplerFlags):
+    """Finish a decode step from the last layer's output x [b, 1, dim]: sample a token per row and advance the
+    rows' state, checking end of generation. keep [s] bool: false cancels a slot first.
+
+    Returns (state, tokens [b], logprobs [b], emitted [b] bool), where b = s without `slots`.
     """
     state = dataclasses.replace(state, active=state.active & keep)
     rows = state if slots is None else _gather(state, slots)
-
-    def one(carry, _):
-        rows, cache = carry
-        logits, cache = forward(
-            params,
-            config,
-            rows.tokens[:, None],
-            rows.positions[:, None],
-            cache,
-            logits_at=jnp.zeros_like(rows.tokens),
-            rows=slots,
-        )
-        tokens, logprobs = sample(logits, rows.rows, rows.step, flags, rows.counts, rows.seen)
-        was_active = rows.active
-        return (_advance(rows, tokens, logprobs, was_active), cache), (tokens, logprobs, was_active)
-
-    carry = (dataclasses.replace(rows, cache=[]), state.cache)
-    if n_steps == 1:
-        carry, out = one(carry, None)
-        out = tuple(x[None] for x in out)
-    else:
-        carry, out = jax.lax.scan(one, carry, None, length=n_steps)
-    rows, cache = carry
-    state = rows if slots is None else _scatter(state, rows, slots)
-    return dataclasses.replace(state, cache=cache), *out
+    logits = head(params, config, x, logits_at=jnp.zeros(x.shape[0], jnp.int32))
+    tokens, logprobs = sample(logits, rows.rows, rows.step, flags, rows.counts, rows.seen)
+    was_active = rows.active
+    rows = _advance(rows, tokens, was_active, flags.penalize)
+    return (rows if slots is None else _scatter(state, rows, slots, flags.penalize)), tokens, logprobs, was_active
 
 
 def _gather(state: DecodeState, slots) -> DecodeState:
-    """The per-slot fields of `slots` (padding indices >= s come back inactive); the cache stays whole."""
-    rows = jax.tree.map(lambda x: jnp.take(x, slots, axis=0, mode="clip"), dataclasses.replace(state, cache=[]))
+    """The fields of `slots` (padding indices >= s come back inactive)."""
+    rows = jax.tree.map(lambda x: jnp.take(x, slots, axis=0, mode="clip"), state)
     return dataclasses.replace(rows, active=rows.active & (slots < state.active.shape[0]))
 
 
-def _scatter(state: DecodeState, rows: DecodeState, slots) -> DecodeState:
-    """`state` with the per-slot fields of `slots` replaced by `rows` (padding indices write nothing)."""
-    fields = jax.tree.map(
-        lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop"),
-        dataclasses.replace(state, cache=[]),
-        dataclasses.replace(rows, cache=[]),
+def _scatter(state: DecodeState, rows: DecodeState, slots, penalties: bool) -> DecodeState:
+    """`state` with the fields of `slots` replaced by `rows` (padding indices write nothing); the token counts
+    only with `penalties` (see `_advance`)."""
+    kept = {} if penalties else {"counts": state.counts, "seen": state.seen}
+    light = (lambda s: s) if penalties else (lambda s: dataclasses.replace(s, counts=None, seen=None))
+    new = jax.tree.map(
+        lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop"), light(state), light(rows)
     )
-    return dataclasses.replace(fields, cache=state.cache)
+    return dataclasses.replace(new, **kept)
 
 
-def prefill(
+def prefill_inputs(params, tokens, starts):
+    """A prefill's inputs: prompt tokens [n, q] (padded) embedded [n, q, dim], and their positions [n, q]
+    (row i starts at starts[i])."""
+    return embed(params, tokens), starts[:, None] + jnp.arange(tokens.shape[1])[None, :]
+
+
+def prefill_layers(layer_params, x, positions, cache: KVCache, sources, slots, *, config: ModelConfig, span: int):
+    """Some consecutive layers of a prefill. Row i's cache (`span` positions) starts as a copy of slot
+    sources[i]'s, whose first positions hold the same prefix (prefix reuse), and ends in slot slots[i] of
+    the slots' cache (index >= slots: a padding row, dropped)."""
+    rows = [
+        (jnp.take(k[..., :span], sources, axis=0, mode="clip"), jnp.take(v[:, :, :span], sources, axis=0, mode="clip"))
+        for k, v in cache
+    ]
+    x, rows = layers(layer_params, config, x, positions, rows)
+    cache = [
+        (
+            k.at[slots, ..., :span].set(nk.astype(k.dtype), mode="drop"),
+            v.at[slots, :, :span].set(nv.astype(v.dtype), mode="drop"),
+        )
+        for (k, v), (nk, nv) in zip(cache, rows, strict=True)
+    ]
+    return x, cache
+
+
+def prefill_last(x, lengths):
+    """Each row's last prompt token from the last layer's output x [n, q, dim] -> [n, 1, dim]: a program of
+    its own, so that `prefill_outputs` (1 s to compile for SmolLM2 on XLA:CPU) is compiled per row count, not
+    per prompt bucket."""
+    return x[jnp.arange(x.shape[0]), lengths - 1][:, None]
+
+
+def prefill_outputs(
     params,
     state: DecodeState,
-    tokens,
+    x,
     starts,
     lengths,
-    sources,
     slots,
     seen,
     new_rows: SamplingRows,
@@ -126,26 +164,16 @@ def prefill(
     *,
     config: ModelConfig,
     flags: SamplerFlags,
-    span: int,
 ):
-    """Run prompts and put them in decode slots.
-
-    Row i computes prompt tokens [starts[i], starts[i] + lengths[i]) given in tokens [n, q] (padded): its
-    first starts[i] positions come from the cache of slot sources[i], which holds the same prefix (prefix
-    reuse; starts[i] = 0 for a fresh prompt). The row's cache (`span` positions) then lands in slot
-    slots[i] (index >= slots: a padding row, dropped). seen [n, vocab]: the whole prompt's tokens, for the
+    """Finish a prefill from the last layer's output at each row's last prompt token, x [n, 1, dim]: sample each
+    row's first token and put the rows in decode slots `slots`. Row i computed prompt
+    tokens [starts[i], starts[i] + lengths[i]). seen [n, vocab]: the whole prompt's tokens, for the
     repetition penalty (or [n, 1] when no row uses penalties).
 
     Returns (state, first tokens [n], logprobs [n], active [n]: false when the first token already ended it).
     """
-    n, q = tokens.shape
-    cache = [
-        (jnp.take(k[:, :, :span], sources, axis=0, mode="clip"), jnp.take(v[:, :, :span], sources, axis=0, mode="clip"))
-        for k, v in state.cache
-    ]
-    positions = starts[:, None] + jnp.arange(q)[None, :]
-    logits, cache = forward(params, config, tokens, positions, cache, logits_at=lengths - 1)
-
+    n = x.shape[0]
+    logits = head(params, config, x, logits_at=jnp.zeros(n, jnp.int32))
     vocab = state.counts.shape[1]
     if seen.shape[1] != vocab:
         seen = jnp.zeros((n, vocab), bool)
@@ -153,7 +181,6 @@ def prefill(
     first, logprobs = sample(logits, new_rows, zeros, flags, jnp.zeros((n, vocab), jnp.int32), seen)
 
     fresh = DecodeState(
-        cache=[],
         tokens=jnp.full((n,), -1, jnp.int32),
         positions=starts + lengths - 1,
         active=jnp.ones((n,), bool),
@@ -166,16 +193,7 @@ def prefill(
         seen=seen,
     )
     # The first token is sampled as if from a decode step at the prompt's last position.
-    fresh = _advance(fresh, first, logprobs, jnp.ones((n,), bool))
-
+    fresh = _advance(fresh, first, jnp.ones((n,), bool), flags.penalize)
     if stop_ids.shape[1] != state.stop_ids.shape[1]:
         raise ValueError("stop_ids width mismatch")
-    new_cache = [
-        (
-            k.at[slots, :, :span].set(nk.astype(k.dtype), mode="drop"),
-            v.at[slots, :, :span].set(nv.astype(v.dtype), mode="drop"),
-        )
-        for (k, v), (nk, nv) in zip(state.cache, cache, strict=True)
-    ]
-    state = dataclasses.replace(_scatter(state, fresh, slots), cache=new_cache)
-    return state, first, logprobs, fresh.active
+    return _scatter(state, fresh, slots, flags.penalize), first, logprobs, fresh.active

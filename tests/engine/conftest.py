@@ -7,7 +7,7 @@ from jaxllama.core.params import init_params
 
 
 def tiny_config(**kw) -> ModelConfig:
-    base = dict(vocab_size=131, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=96, max_seq_len=128)
+    base = dict(vocab_size=131, dim=64, n_layers=3, n_heads=8, n_kv_heads=2, ffn_dim=96, max_seq_len=128)
     return ModelConfig(**{**base, **kw})
 
 

@@ -61,7 +61,8 @@ def expected(tiny):
 def test_greedy_matches_full_forward_with_refilled_slots(tiny, expected):
     config, params = tiny
     mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
-    engine = Engine(config, params, mesh, eos_ids=[EOS], max_slots=4)  # 10 requests through 4 slots
+    # 10 requests through 4 slots; the 3 layers run as two programs (2 layers, then 1)
+    engine = Engine(config, params, mesh, eos_ids=[EOS], max_slots=4, layers_per_program=2)
     tokens, finals = run(engine, greedy_requests())
     assert tokens == expected
     for r in greedy_requests():
@@ -74,14 +75,14 @@ def test_greedy_matches_full_forward_with_refilled_slots(tiny, expected):
     assert engine.stats.prefill_calls >= 3 and engine.stats.occupancy(engine.slots) > 0.3
 
 
-@pytest.mark.parametrize("spec, steps", [("data=1,model=1", 1), ("data=2,model=2", 3)])
-def test_few_active_slots_decode_alone(tiny, expected, spec, steps):
+@pytest.mark.parametrize("spec, steps, layers", [("data=1,model=1", 1, 5), ("data=2,model=2", 3, 1)])
+def test_few_active_slots_decode_alone(tiny, expected, spec, steps, layers):
     """10 requests in 32 slots: decode steps run only the active slots (16, then 8 rows, or one when one is
     left), reading and writing their rows of the shared cache in place; the tokens stay those of the full
-    forward."""
+    forward, with the layers run as one program or one program per layer."""
     config, params = tiny
     mesh = make_mesh(config, spec, jax.devices()[: 4 if "2" in spec else 1])
-    engine = Engine(config, params, mesh, eos_ids=[EOS], max_slots=32, decode_steps=steps)
+    engine = Engine(config, params, mesh, eos_ids=[EOS], max_slots=32, decode_steps=steps, layers_per_program=layers)
     sizes = []
     decode_rows = engine._decode_rows
     engine._decode_rows = lambda: sizes.append(len(rows := decode_rows())) or rows
