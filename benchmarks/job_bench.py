@@ -1,7 +1,7 @@
 """jaxllama against HF transformers and llama.cpp on the same chat job, same model (the SmolLM2 GGUF), same
 machine, one run; prints one table with the ratio of jaxllama (warm) to each peer.
 
-    python -m benchmarks.job_bench JOB.jsonl [--hf-batch 32] [--skip hf,llamacpp] [--max-batch 32]
+    python -m benchmarks.job_bench JOB.jsonl [--hf-batch 32] [--skip hf,llamacpp] [--max-batch 64]
 
 jaxllama runs the job through `jaxllama run` twice: cold (compilation cache emptied) and warm (cache filled).
 The peers run from `benchmarks/peers.py` (HF transformers float32 batched `generate`; llama.cpp one request
@@ -25,6 +25,7 @@ import fire
 
 from benchmarks.measure import matmul_flops, memory_bandwidth, peak_rss
 from jaxllama.core.config import ModelConfig
+from jaxllama.engine.engine import DEFAULT_SLOTS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,7 +59,7 @@ def roofline(warm: dict, config: ModelConfig, bytes_per_param: int = 4) -> str:
     )
 
 
-def main(job: str, hf_batch: int = 32, skip: str | tuple = (), max_batch: int = 32):
+def main(job: str, hf_batch: int = 32, skip: str | tuple = (), max_batch: int = DEFAULT_SLOTS):
     job = Path(job).resolve()
     skip = set(skip.split(",") if isinstance(skip, str) else skip)
     cache = Path(tempfile.mkdtemp(prefix="jaxllama-bench-"))

@@ -38,7 +38,7 @@ def _common_setup(
         mesh=mesh,
         chat_template=chat_template,
         extra_eos_ids=_as_list(eos_id, int),
-        max_slots=max_batch,
+        **({} if max_batch is None else {"max_slots": max_batch}),
         max_context=max_context,
         decode_steps=decode_steps,
     )
@@ -66,7 +66,7 @@ def run(
     eos_id=None,
     system_prompt: str | None = None,
     chat_template: str | None = None,
-    max_batch: int = 32,
+    max_batch: int | None = None,
     max_context: int | None = None,
     decode_steps: int | None = None,
     overwrite: bool = False,
@@ -97,7 +97,7 @@ def run(
       eos_id: an extra end-of-generation token id (repeatable).
       system_prompt: a system message for chat lines that have none.
       chat_template: a built-in template (llama2, llama3, chatml, raw) or a .jinja file.
-      max_batch: decode slots: requests generated at once.
+      max_batch: decode slots: requests generated at once (default: the engine's, 64).
       max_context: context limit (prompt + completion), at most the model's.
       decode_steps: decode steps per host round trip.
       overwrite: start over instead of resuming.
@@ -168,7 +168,7 @@ def serve(
     max_tokens: int | None = None,
     eos_id=None,
     chat_template: str | None = None,
-    max_batch: int = 32,
+    max_batch: int | None = None,
     max_queue: int = 256,
     max_context: int | None = None,
     decode_steps: int | None = None,
@@ -186,7 +186,7 @@ def serve(
       max_tokens: tokens per answer when a request does not say (default: up to the context limit).
       eos_id: an extra end-of-generation token id (repeatable).
       chat_template: a built-in template (llama2, llama3, chatml, raw) or a .jinja file.
-      max_batch: decode slots: requests generated at once.
+      max_batch: decode slots: requests generated at once (default: the engine's, 64).
       max_queue: requests waiting for a slot at most; one more is answered 429.
       max_context: context limit (prompt + completion), at most the model's.
       decode_steps: decode steps per host round trip.

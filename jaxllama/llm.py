@@ -23,7 +23,7 @@ from jaxllama.core.checkpoint import load_checkpoint
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import forward, sequence_logits
 from jaxllama.core.sharding import make_mesh
-from jaxllama.engine.engine import Engine
+from jaxllama.engine.engine import DEFAULT_SLOTS, Engine
 from jaxllama.engine.runtime import enable_compilation_cache
 from jaxllama.engine.sampling import SamplingParams
 from jaxllama.generation import Generation, Result
@@ -47,7 +47,7 @@ class LLM:
         template: ChatTemplate,
         eos_ids: Iterable[int],
         *,
-        max_slots: int = 32,
+        max_slots: int = DEFAULT_SLOTS,
         max_context: int | None = None,
         decode_steps: int | None = None,
         path: Path | None = None,
@@ -77,7 +77,7 @@ class LLM:
         chat_template: str | None = None,
         eos_ids: Iterable[int] | None = None,
         extra_eos_ids: Iterable[int] = (),
-        max_slots: int = 32,
+        max_slots: int = DEFAULT_SLOTS,
         max_context: int | None = None,
         decode_steps: int | None = None,
         compilation_cache: bool = True,
