@@ -160,6 +160,8 @@ class Engine:
         # `layers_per_program`.
         self._outer = {k: v for k, v in params.items() if not k.startswith("layers_")}
         n = config.n_layers
+        if not isinstance(layers_per_program, int) or layers_per_program < 1:
+            raise ValueError(f"layers_per_program={layers_per_program!r}: must be a positive integer")
         self._runs = [(a, min(a + layers_per_program, n)) for a in range(0, n, layers_per_program)]
         self._run_params = [layer_params(params, config, a, b) for a, b in self._runs]
         self.state = self._initial_state()

@@ -4,8 +4,9 @@ returned).
 A prefill or a decode step runs as a few programs in turn: `*_inputs` (embed), `*_layers` over each run of
 `layers_per_program` consecutive layers (the same compiled program for every run of equal length), then
 `*_outputs` (final norm, logits, sampling, slot bookkeeping). On XLA:CPU, a program of 5 layers compiles and
-sets up its kernels in a fraction of the time a 30-layer program takes, is compiled once for all runs of
-layers, and costs nothing measurable per step against one program (`benchmarks/README.md`).
+sets up its kernels in a fraction of the time a 30-layer program takes and is compiled once for all runs of
+layers; the extra dispatches cost nothing measurable on a 32-row step, ~5 ms on a one-row step of ~40 ms
+(SmolLM2, `benchmarks/README.md`).
 
 - prefill: run new prompts (or the part of them past a prefix another slot holds), sample their first
   tokens and insert them into free decode slots;
