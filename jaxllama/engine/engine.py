@@ -154,6 +154,7 @@ class Engine:
         self._compiled: dict = {}
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._activations = NamedSharding(mesh, PartitionSpec("data"))  # [batch, ...], batch over `data`
+        self._cache_sharding = kvcache.cache_sharding(config, mesh)  # one layer's (keys, values)
         self._rows = named_sharding(mesh, config, ("batch",))
         self._seeds = random.Random(agreed_seed())  # for requests without a seed: the same on every process
         # The params outside the layers (embedding, final norm, output), and the layers' in runs of
@@ -321,9 +322,7 @@ class Engine:
         tokens, starts, lengths_d, sources, slot_ids, seen, sampling, max_tokens, limits, stop_ids = self._put(
             (tokens, starts, lengths, sources, slot_ids, seen, sampling, max_tokens, limits, stop_ids)
         )
-        x, positions = self._program("prefill_inputs", prefill_inputs, (self._outer, tokens, starts))(
-            self._outer, tokens, starts
-        )
+        x, positions = self._run("prefill_inputs", prefill_inputs, (self._outer, tokens, starts))
         x = self._layers(
             "prefill_layers",
             functools.partial(prefill_layers, config=self.config, span=span),
@@ -332,10 +331,10 @@ class Engine:
             (sources, slot_ids),
             span,
         )
-        x = self._program("prefill_last", prefill_last, (x, lengths_d))(x, lengths_d)
+        x = self._run("prefill_last", prefill_last, (x, lengths_d))
         args = (self._outer, self.state, x, starts, lengths_d, slot_ids, seen, sampling, max_tokens, limits, stop_ids)
         fn = functools.partial(prefill_outputs, config=self.config, flags=flags)
-        self.state, first, logprobs, still = self._program("prefill_outputs", fn, args, flags, donate=1)(*args)
+        self.state, first, logprobs, still = self._run("prefill_outputs", fn, args, flags, donate=1)
         first, logprobs, still = jax.device_get((first, logprobs, still))
         now = time.perf_counter()
         self.stats.prefill_calls += 1
@@ -368,18 +367,19 @@ class Engine:
         columns = self._decode_rows()
         compiling = self.stats.compile_s
         start = time.perf_counter()
-        slots, keep = self._put((None if len(columns) == self.slots else np.array(columns, np.int32), self._keep))
+        slots, keep, kept = self._put(
+            (None if len(columns) == self.slots else np.array(columns, np.int32), self._keep, np.ones(self.slots, bool))
+        )
         layers_fn = functools.partial(decode_layers, config=self.config)
         outputs_fn = functools.partial(decode_outputs, config=self.config, flags=flags)
         steps = []
         for _ in range(n_steps):  # no host round trip between steps: each reads the last one's state on device
-            args = (self._outer, self.state, slots)
-            x, positions = self._program("decode_inputs", decode_inputs, args)(*args)
+            x, positions = self._run("decode_inputs", decode_inputs, (self._outer, self.state, slots))
             x = self._layers("decode_layers", layers_fn, x, positions, (slots,))
             args = (self._outer, self.state, keep, x, slots)
-            self.state, *out = self._program("decode_outputs", outputs_fn, args, flags, donate=1)(*args)
+            self.state, *out = self._run("decode_outputs", outputs_fn, args, flags, donate=1)
             steps.append(out)
-            keep = self._put(np.ones(self.slots, bool))
+            keep = kept  # cancellations apply at the first step
         tokens, logprobs, emitted = (np.stack(x) for x in zip(*jax.device_get(steps), strict=True))
         self.stats.decode_s += time.perf_counter() - start - (self.stats.compile_s - compiling)
         self.stats.decode_calls += 1
@@ -491,7 +491,7 @@ class Engine:
             resize = jax.jit(
                 kvcache.resize,
                 static_argnums=1,  # no donation: the new cache has another shape
-                out_shardings=[kvcache.cache_sharding(self.config, self.mesh)] * self.config.n_layers,
+                out_shardings=[self._cache_sharding] * self.config.n_layers,
             )
             self.cache = resize(self.cache, target)
             self.prefixes.truncate(target)
@@ -508,16 +508,15 @@ class Engine:
 
     def _layers(self, kind: str, fn, x, positions, extra: tuple, static_key=None):
         """Run every layer on x, one program call per run of layers; each call updates its layers' cache."""
-        sharding = kvcache.cache_sharding(self.config, self.mesh)
         for (a, b), params in zip(self._runs, self._run_params, strict=True):
             args = (params, x, positions, self.cache[a:b], *extra)
-            out = (self._activations, [sharding] * (b - a))
-            x, self.cache[a:b] = self._program(kind, fn, args, static_key, donate=3, out=out)(*args)
+            out = (self._activations, [self._cache_sharding] * (b - a))
+            x, self.cache[a:b] = self._run(kind, fn, args, static_key, donate=3, out=out)
         return x
 
-    def _program(self, kind: str, fn, args, static_key=None, donate: int | None = None, out=None):
-        """The compiled program for (kind, the shapes of args, static switches), compiled ahead of time on first
-        use (and timed for the statistics). Its outputs: `out` shardings, by default
+    def _run(self, kind: str, fn, args, static_key=None, donate: int | None = None, out=None):
+        """Call fn on args through its compiled program for (kind, the shapes of args, static switches), compiled
+        ahead of time on first use (and timed for the statistics). Its outputs: `out` shardings, by default
         (state, replicated...) for `*_outputs` and activations otherwise."""
         leaves, tree = jax.tree.flatten(args)
         key = (kind, tree, tuple((x.shape, x.dtype) for x in leaves), static_key)
@@ -532,7 +531,7 @@ class Engine:
             self._compiled[key] = jitted.lower(*args).compile(compiler_options=options)
             self.stats.compiles += 1
             self.stats.compile_s += time.perf_counter() - start
-        return self._compiled[key]
+        return self._compiled[key](*args)
 
 
 def _pow2(n: int) -> int:

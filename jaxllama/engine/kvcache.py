@@ -64,3 +64,31 @@ def resize(cache: KVCache, length: int) -> KVCache:
         return jax.lax.slice_in_dim(x, 0, length, axis=axis)
 
     return [(one(k, CACHE_LENGTH_AXIS[0]), one(v, CACHE_LENGTH_AXIS[1])) for k, v in cache]
+
+
+def _first(span: int, axis: int) -> tuple:
+    """The index of positions [0, span) of one cache array, past its batch axis."""
+    return tuple(slice(0, span) if i == axis else slice(None) for i in range(1, axis + 1))
+
+
+def take_rows(cache: KVCache, rows, span: int) -> KVCache:
+    """Rows `rows` of the cache, their first `span` positions (an index past the last row clips to it)."""
+    return [
+        tuple(
+            jnp.take(x[(slice(None), *_first(span, axis))], rows, axis=0, mode="clip")
+            for x, axis in zip(layer, CACHE_LENGTH_AXIS, strict=True)
+        )
+        for layer in cache
+    ]
+
+
+def put_rows(cache: KVCache, new: KVCache, rows, span: int) -> KVCache:
+    """The cache with the first `span` positions of rows `rows` replaced by `new` (an index past the last row
+    writes nothing)."""
+    return [
+        tuple(
+            x.at[(rows, *_first(span, axis))].set(n.astype(x.dtype), mode="drop")
+            for x, n, axis in zip(layer, new_layer, CACHE_LENGTH_AXIS, strict=True)
+        )
+        for layer, new_layer in zip(cache, new, strict=True)
+    ]

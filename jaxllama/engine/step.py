@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import KVCache, embed, head, layers
+from jaxllama.engine import kvcache
 from jaxllama.engine.sampling import SamplerFlags, SamplingRows, sample
 
 
@@ -94,7 +95,7 @@ def decode_outputs(params, state: DecodeState, keep, x, slots=None, *, config: M
     """
     state = dataclasses.replace(state, active=state.active & keep)
     rows = state if slots is None else _gather(state, slots)
-    logits = head(params, config, x, logits_at=jnp.zeros(x.shape[0], jnp.int32))
+    logits = head(params, config, x[:, 0])
     tokens, logprobs = sample(logits, rows.rows, rows.step, flags, rows.counts, rows.seen)
     was_active = rows.active
     rows = _advance(rows, tokens, was_active, flags.penalize)
@@ -128,19 +129,8 @@ def prefill_layers(layer_params, x, positions, cache: KVCache, sources, slots, *
     """Some consecutive layers of a prefill. Row i's cache (`span` positions) starts as a copy of slot
     sources[i]'s, whose first positions hold the same prefix (prefix reuse), and ends in slot slots[i] of
     the slots' cache (index >= slots: a padding row, dropped)."""
-    rows = [
-        (jnp.take(k[..., :span], sources, axis=0, mode="clip"), jnp.take(v[:, :, :span], sources, axis=0, mode="clip"))
-        for k, v in cache
-    ]
-    x, rows = layers(layer_params, config, x, positions, rows)
-    cache = [
-        (
-            k.at[slots, ..., :span].set(nk.astype(k.dtype), mode="drop"),
-            v.at[slots, :, :span].set(nv.astype(v.dtype), mode="drop"),
-        )
-        for (k, v), (nk, nv) in zip(cache, rows, strict=True)
-    ]
-    return x, cache
+    x, rows = layers(layer_params, config, x, positions, kvcache.take_rows(cache, sources, span))
+    return x, kvcache.put_rows(cache, rows, slots, span)
 
 
 def prefill_last(x, lengths):
@@ -174,7 +164,7 @@ def prefill_outputs(
     Returns (state, first tokens [n], logprobs [n], active [n]: false when the first token already ended it).
     """
     n = x.shape[0]
-    logits = head(params, config, x, logits_at=jnp.zeros(n, jnp.int32))
+    logits = head(params, config, x[:, 0])
     vocab = state.counts.shape[1]
     if seen.shape[1] != vocab:
         seen = jnp.zeros((n, vocab), bool)
