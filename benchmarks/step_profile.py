@@ -1,26 +1,26 @@
 """Where an engine step's time goes: each compiled program's calls timed alone.
 
     python -m benchmarks.step_profile [--requests 32] [--prompt 40] [--max-tokens 64] [--slots 32]
+    python -m benchmarks.step_profile --job JOB.jsonl [--slots 64]
 
-Runs the engine on the default model (SmolLM2-135M-Instruct, float32) over random prompts twice: once to
-compile, once timed, with every program call waited for (so the sum is a little above an unsynchronized
-run's wall time). Prints calls, total seconds and milliseconds per call for each kind of program
-(`engine/step.py`), and the compile time of the first run.
+Runs the engine on the default model (SmolLM2-135M-Instruct, float32) over random prompts, or over a job's
+chat requests (chat template applied, each line's max_tokens, greedy), twice: once to compile, once timed,
+with every program call waited for (so the sum is a little above an unsynchronized run's wall time). Prints,
+for each kind of program (`engine/step.py`; layer programs by rows x tokens and cache length), its calls,
+total seconds and milliseconds per call in the timed run, and its compile seconds in the first run.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import time
 
 import fire
 import jax
 import numpy as np
 
-from jaxllama.core.checkpoint import load_checkpoint
-from jaxllama.core.config import ModelConfig
-from jaxllama.core.sharding import make_mesh
-from jaxllama.default_model import default_checkpoint
+from jaxllama.engine import kvcache
 from jaxllama.engine.engine import Engine, Request
 from jaxllama.engine.sampling import SamplingParams
 
@@ -31,40 +31,62 @@ class TimedEngine(Engine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.times, self.calls = collections.defaultdict(float), collections.Counter()
+        self.compiles = collections.defaultdict(float)  # compile seconds, by the same keys
 
     def _run(self, kind, fn, args, static_key=None, donate=None, out=None):
         compiling, start = self.stats.compile_s, time.perf_counter()
         result = jax.block_until_ready(super()._run(kind, fn, args, static_key, donate, out))
+        if kind.endswith("layers"):  # by shape: rows x tokens, over a cache of some length
+            x, cache = args[1], args[3]
+            kind = f"{kind} {x.shape[0]}x{x.shape[1]} /{kvcache.length(cache)}"
+        self.compiles[kind] += self.stats.compile_s - compiling
         self.times[kind] += time.perf_counter() - start - (self.stats.compile_s - compiling)
         self.calls[kind] += 1
         return result
 
 
-def main(requests: int = 32, prompt: int = 40, max_tokens: int = 64, slots: int = 32, seed: int = 0):
-    path = default_checkpoint()
-    mesh = make_mesh(ModelConfig.load(path), "data=1,model=1", jax.devices()[:1])
-    config, params = load_checkpoint(path, mesh=mesh)
-    engine = TimedEngine(config, params, mesh, max_slots=slots)
+def main(
+    requests: int = 32, prompt: int = 40, max_tokens: int = 64, slots: int = 32, seed: int = 0, job: str | None = None
+):
+    from jaxllama import LLM
+
+    llm = LLM.load(mesh="data=1,model=1", compilation_cache=False)
+    engine = TimedEngine(llm.config, llm.params, llm.mesh, eos_ids=llm.eos_ids, max_slots=slots)
     rng = np.random.default_rng(seed)
+    if job is not None:
+        lines = [json.loads(line) for line in open(job) if line.strip()]
+        prompts = [llm.encode_chat(x["messages"]) for x in lines]
+        limits = [x.get("max_tokens", max_tokens) for x in lines]
+        requests = f"{len(lines)} requests of {job}"
+    else:
+        prompts = [rng.integers(3, llm.config.vocab_size, prompt).tolist() for _ in range(requests)]
+        limits = [max_tokens] * len(prompts)
+        requests = f"{requests} requests x {prompt} prompt tokens, max_tokens {max_tokens}"
 
-    def job():
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        return [Request(i, rng.integers(3, config.vocab_size, prompt).tolist(), params) for i in range(requests)]
+    def job_requests():
+        return [
+            Request(i, ids, SamplingParams(max_tokens=n, temperature=0.0))
+            for i, (ids, n) in enumerate(zip(prompts, limits, strict=True))
+        ]
 
-    for _ in engine.generate(job()):  # compiles every program the timed run uses
+    for _ in engine.generate(job_requests()):  # compiles every program the timed run uses
         pass
-    compile_s = engine.stats.compile_s
+    compile_s, generated = engine.stats.compile_s, engine.stats.generated_tokens
+    compiles = dict(engine.compiles)
     engine.times.clear()
     engine.calls.clear()
     start = time.perf_counter()
-    for _ in engine.generate(job()):
+    for _ in engine.generate(job_requests()):
         pass
     wall = time.perf_counter() - start
-    print(f"{requests} requests x {prompt} prompt tokens, max_tokens {max_tokens}, {slots} slots: {wall:.1f} s")
+    tokens = engine.stats.generated_tokens - generated
+    print(f"{requests}, {slots} slots: {wall:.1f} s, {tokens} tokens, {tokens / wall:.1f} tok/s")
     print(f"compile (first run): {compile_s:.1f} s")
-    print(f"{'program':<16}{'calls':>7}{'s':>9}{'ms/call':>10}")
-    for kind, seconds in engine.times.items():
-        print(f"{kind:<16}{engine.calls[kind]:>7}{seconds:>9.2f}{1e3 * seconds / engine.calls[kind]:>10.1f}")
+    print(f"{'program (layers: rows x tokens /cache length)':<46}{'calls':>7}{'s':>9}{'ms/call':>10}{'compile s':>11}")
+    for kind in sorted(set(engine.times) | set(compiles)):
+        calls, seconds = engine.calls[kind], engine.times.get(kind, 0.0)
+        per_call = f"{1e3 * seconds / calls:>10.1f}" if calls else f"{'-':>10}"
+        print(f"{kind:<46}{calls:>7}{seconds:>9.2f}{per_call}{compiles.get(kind, 0):>11.2f}")
 
 
 if __name__ == "__main__":

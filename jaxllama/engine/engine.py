@@ -51,11 +51,14 @@ DEFAULT_SLOTS = 64
 # Decoder layers per compiled program (`step.py`): SmolLM2's 30 layers run as 6 calls of one program.
 LAYERS_PER_PROGRAM = 5
 ROW_BUCKETS = (1, 8, 16, 32, 64)  # decode batch sizes below the slot count (see `Engine._decode_rows`)
-# XLA:CPU runs matrix products through YNNPACK, whose kernels are set up on a program's first call (~4.5 ms
-# per product, 0.16 s for a program of 5 SmolLM2 layers). Worth it for decode (a step over 32 rows: 0.30 s
-# against 0.60 s without), not for a prefill, which runs a shape a few times at most and whose large products
-# XLA's own kernels run as fast (about 60 GFLOP/s here, near the machine's peak).
+# XLA:CPU runs matrix products through YNNPACK, whose kernels are set up on a program's first call (0.2-0.5 s
+# for a program of 5 SmolLM2 layers). Worth it for decode (a step over 32 rows: 0.30 s against 0.60 s
+# without) and for the small prefills of requests admitted one or a few at a time, which recur (1 row x 64
+# tokens: 54 ms against 71 per 5 layers; 4 x 64: 159 against 195; the outputs of a one-row prefill: 13 ms
+# against 44). Not for a large prefill, which runs a few times per job and whose products XLA's own kernels
+# run almost as fast (16 x 192: 1.99 s against 2.05).
 PREFILL_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+PREFILL_YNNPACK_MAX_TOKENS = 512  # rows x tokens up to which a prefill program keeps YNNPACK
 
 
 @dataclasses.dataclass
@@ -526,8 +529,8 @@ class Engine:
                 state = jax.tree.map(lambda x: x.sharding, self.state)
                 out = (state,) + (self._replicated,) * 3 if kind.endswith("outputs") else self._activations
             jitted = jax.jit(fn, donate_argnums=() if donate is None else (donate,), out_shardings=out)
-            cpu = jax.default_backend() == "cpu"
-            options = PREFILL_COMPILER_OPTIONS if kind.startswith("prefill") and cpu else {}
+            large = kind == "prefill_layers" and args[1].shape[0] * args[1].shape[1] > PREFILL_YNNPACK_MAX_TOKENS
+            options = PREFILL_COMPILER_OPTIONS if large and jax.default_backend() == "cpu" else {}
             self._compiled[key] = jitted.lower(*args).compile(compiler_options=options)
             self.stats.compiles += 1
             self.stats.compile_s += time.perf_counter() - start

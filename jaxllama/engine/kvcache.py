@@ -17,6 +17,7 @@ from jaxllama.core.model import CACHE_AXES, CACHE_LENGTH_AXIS, KVCache, cache_sh
 from jaxllama.core.sharding import named_sharding
 
 MIN_BUCKET = 64
+FINE_BUCKETS_FROM = 128  # cache lengths step by 1.5x from here on, by 2x below (see `bucket`)
 
 
 def cache_sharding(config: ModelConfig, mesh: Mesh):
@@ -30,10 +31,17 @@ def length(cache: KVCache) -> int:
 
 
 def bucket(n: int, limit: int, minimum: int = MIN_BUCKET) -> int:
-    """The smallest power of two >= n (at least `minimum`), capped at `limit`."""
+    """The smallest cache length >= n (at least `minimum`), capped at `limit`: powers of two, and from 192 up
+    also 1.5 times them (192, 256, 384, 512, 768, ...). Attention then reads at most half as many positions
+    again as the longest sequence needs, not twice as many (SmolLM2, 64 rows: 84 ms per 5 layers over 384
+    positions, 100 over 512); below 128 positions attention costs little next to the products, and finer
+    steps would only add compilations."""
     size = minimum
     while size < n:
-        size *= 2
+        if size & (size - 1):  # 1.5 x a power of two
+            size = size * 4 // 3
+        else:
+            size = size * 3 // 2 if size >= FINE_BUCKETS_FROM else size * 2
     return min(size, limit)
 
 

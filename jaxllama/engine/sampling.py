@@ -194,4 +194,6 @@ def sample(logits, rows: SamplingRows, step, flags: SamplerFlags, counts=None, s
 
 
 def _logprob_of(logits, tokens):
-    return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    """log softmax(logits)[tokens], without writing out the whole [b, v] log-softmax."""
+    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return picked - jax.nn.logsumexp(logits, axis=-1)
