@@ -110,12 +110,14 @@ class Generation:
         stop: Sequence[str] = (),
         include_stop: bool = False,
         logprobs: bool = False,
+        priority: int = 0,
     ) -> None:
-        """Queue a request; raises ValueError (naming the problem) if it can never run."""
+        """Queue a request; raises ValueError (naming the problem) if it can never run. Requests of higher
+        `priority` get a slot first (`engine.Request`)."""
         if id in self.pending:
             raise ValueError(f"request id {id!r} is already running")
         text = _Text(self.tokenizer, stop, include_stop)  # validates the stop strings
-        self.engine.add(Request(id, list(prompt), params))
+        self.engine.add(Request(id, list(prompt), params, priority=priority))
         self.pending[id] = _Pending(text, len(prompt), logprobs)
 
     def cancel(self, id) -> None:

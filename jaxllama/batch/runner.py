@@ -145,7 +145,10 @@ def run_job(
             try:
                 line = parse_line(raw, number, defaults, stop, system_prompt)
                 prompt = llm.encode_chat(line.messages) if line.kind == "chat" else llm.encode(line.prompt)
-                llm.generation.submit(number, prompt, line.params, line.stop)
+                # Longest first (by max_tokens): the job's last requests are then short ones, and its tail of
+                # nearly empty decode steps is short (job256: 304 s against 340 in file order). Output stays in
+                # file order.
+                llm.generation.submit(number, prompt, line.params, line.stop, priority=line.params.max_tokens)
                 jobs[number] = line
             except LineError as e:
                 finish(number, records.failure(e, line_id(raw, number), '"custom_id"' in raw), ok=False)

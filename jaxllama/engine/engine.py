@@ -1,8 +1,9 @@
 """Continuous batching: a queue of requests, a fixed number of decode slots, and the loop that keeps them full.
 
-Each `step()` admits waiting requests into free slots (one `prefill` call per prompt-length bucket), then
-runs `decode_steps` decode steps for every slot and returns the new tokens of each request. A finished
-sequence frees its slot for the next request at once; nobody waits for the longest one.
+Each `step()` admits waiting requests into free slots (the highest `priority` first, then in order of
+arrival; one `prefill` call per prompt-length bucket), then runs `decode_steps` decode steps for every slot
+and returns the new tokens of each request. A finished sequence frees its slot for the next request at once;
+nobody waits for the longest one.
 
 A prompt that starts with tokens some slot's cache already holds (a shared system prompt, the earlier
 turns of a conversation) reuses their keys/values and computes only the rest (`prefix.py`); the reused
@@ -17,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import heapq
 import random
 import time
 from collections.abc import Iterable, Iterator
@@ -69,6 +71,7 @@ class Request:
     prompt: list[int]
     params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    priority: int = 0  # admitted before queued requests of lower priority; in order of arrival among equals
 
 
 @dataclasses.dataclass
@@ -252,9 +255,7 @@ class Engine:
 
     def _admit(self) -> list[Update]:
         free = [i for i in range(self.slots) if i not in self.active]
-        take = []
-        while self.queue and len(take) < len(free):
-            take.append(self.queue.popleft())
+        take = self._next_requests(len(free))
         if not take:
             return []
         self._compute_shared_prefixes(take, free)
@@ -273,6 +274,15 @@ class Engine:
                 rows.append((r, r.prompt[start:], start, source if source is not None else slot, slot))
             updates += self._prefill(rows)
         return updates
+
+    def _next_requests(self, n: int) -> list[Request]:
+        """Take up to n queued requests: the highest priority first, in order of arrival among equals."""
+        if len({r.priority for r in self.queue}) <= 1:
+            return [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
+        chosen = set(heapq.nsmallest(n, range(len(self.queue)), key=lambda i: (-self.queue[i].priority, i)))
+        take = [r for i, r in enumerate(self.queue) if i in chosen]
+        self.queue = collections.deque(r for i, r in enumerate(self.queue) if i not in chosen)
+        return sorted(take, key=lambda r: -r.priority)
 
     def _compute_shared_prefixes(self, requests: list[Request], free: list[int]) -> None:
         """Prompts admitted together that share a prefix no slot holds: compute it once, into a free slot

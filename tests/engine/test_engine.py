@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +75,23 @@ def test_greedy_matches_full_forward_with_refilled_slots(tiny, expected):
         else:
             assert u.finish_reason == "length" and len(expected[r.id]) == r.params.max_tokens
     assert engine.stats.prefill_calls >= 3 and engine.stats.occupancy(engine.slots) > 0.3
+
+
+def test_higher_priority_requests_get_slots_first(tiny, expected):
+    """One slot: requests run one at a time, the highest priority first, in order of arrival among equals; their
+    tokens are unchanged."""
+    config, params = tiny
+    mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
+    engine = Engine(config, params, mesh, eos_ids=[EOS], max_slots=1)
+    priorities = [0, 5, 1, 5, 0]
+    requests = [dataclasses.replace(r, priority=p) for r, p in zip(greedy_requests()[:5], priorities, strict=True)]
+    started, tokens = [], {}
+    for u in engine.generate(requests):
+        if u.id not in tokens:
+            started.append(u.id)
+        tokens.setdefault(u.id, []).extend(u.tokens)
+    assert started == [1, 3, 2, 0, 4]
+    assert tokens == {i: expected[i] for i in range(5)}
 
 
 @pytest.mark.parametrize("spec, steps, layers", [("data=1,model=1", 1, 5), ("data=2,model=2", 3, 1)])
