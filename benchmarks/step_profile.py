@@ -4,10 +4,11 @@
     python -m benchmarks.step_profile --job JOB.jsonl [--slots 64]
 
 Runs the engine on the default model (SmolLM2-135M-Instruct, float32) over random prompts, or over a job's
-chat requests (chat template applied, each line's max_tokens, greedy), twice: once to compile, once timed,
-with every program call waited for (so the sum is a little above an unsynchronized run's wall time). Prints,
-for each kind of program (`engine/step.py`; layer programs by rows x tokens and cache length), its calls,
-total seconds and milliseconds per call in the timed run, and its compile seconds in the first run.
+chat requests (chat template applied, each line's max_tokens, greedy, longest first as `jaxllama run` runs
+them), twice: once to compile, once timed, with every program call waited for (so the sum is a little above an
+unsynchronized run's wall time). Prints, for each kind of program (`engine/step.py`; layer programs by rows x
+tokens and cache length), its calls, total seconds and milliseconds per call in the timed run, and its
+compile seconds in the first run.
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ def main(
         limits = [max_tokens] * len(prompts)
         requests = f"{requests} requests x {prompt} prompt tokens, max_tokens {max_tokens}"
 
-    def job_requests():
+    def job_requests():  # longest first, as `jaxllama run` submits them
         return [
-            Request(i, ids, SamplingParams(max_tokens=n, temperature=0.0))
+            Request(i, ids, SamplingParams(max_tokens=n, temperature=0.0), priority=n)
             for i, (ids, n) in enumerate(zip(prompts, limits, strict=True))
         ]
 
