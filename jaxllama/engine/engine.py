@@ -53,14 +53,15 @@ DEFAULT_SLOTS = 64
 # Decoder layers per compiled program (`step.py`): SmolLM2's 30 layers run as 6 calls of one program.
 LAYERS_PER_PROGRAM = 5
 ROW_BUCKETS = (1, 8, 16, 32, 64)  # decode batch sizes below the slot count (see `Engine._decode_rows`)
-# XLA:CPU runs matrix products through YNNPACK, whose kernels are set up on a program's first call (0.2-0.5 s
-# for a program of 5 SmolLM2 layers). Worth it for decode layers (a step over 32 rows: 0.30 s against 0.60 s
-# without) and for the small prefills of requests admitted one or a few at a time, which recur (1 row x 64
-# tokens: 54 ms against 71 per 5 layers; 4 x 64: 159 against 195). Not for a large prefill, which runs a few
-# times per job and whose products XLA's own kernels run almost as fast (16 x 192: 1.99 s against 2.05), nor
-# for the outputs, whose [rows, vocab] product XLA runs faster (32 rows: 38.7 ms against 45.6).
+# XLA:CPU runs matrix products through YNNPACK, whose kernels are set up on each program's first call in a
+# process (0.2-0.5 s for a program of 5 SmolLM2 layers, even when the compiled program comes from the cache).
+# Worth it for decode layers, which run every step (a step over 32 rows: 0.30 s against 0.60 s without). Not
+# for prefills: a job runs most prefill shapes once or a few times, and one prefill (6 calls of a 5-layer
+# program) costs more with YNNPACK's set-up than it saves (1 row x 32 tokens: 0.43 s against 0.28; 32 x 16:
+# 2.00 against 2.03); only shapes that recur dozens of times, as one-row admissions do in a long mixed job,
+# would repay it. Nor for the outputs, whose [rows, vocab] product XLA runs faster (32 rows: 38.7 ms against
+# 45.6).
 XLA_KERNELS = {"xla_cpu_experimental_ynn_fusion_type": ""}  # compiler options: YNNPACK off
-PREFILL_YNNPACK_MAX_TOKENS = 512  # rows x tokens up to which a prefill program keeps YNNPACK
 
 
 @dataclasses.dataclass
@@ -539,19 +540,11 @@ class Engine:
                 state = jax.tree.map(lambda x: x.sharding, self.state)
                 out = (state,) + (self._replicated,) * 3 if kind.endswith("outputs") else self._activations
             jitted = jax.jit(fn, donate_argnums=() if donate is None else (donate,), out_shardings=out)
-            options = XLA_KERNELS if jax.default_backend() == "cpu" and not _uses_ynnpack(kind, args) else {}
+            options = XLA_KERNELS if jax.default_backend() == "cpu" and kind != "decode_layers" else {}
             self._compiled[key] = jitted.lower(*args).compile(compiler_options=options)
             self.stats.compiles += 1
             self.stats.compile_s += time.perf_counter() - start
         return self._compiled[key](*args)
-
-
-def _uses_ynnpack(kind: str, args) -> bool:
-    """Whether a program runs its products through YNNPACK (see `XLA_KERNELS`)."""
-    if kind == "prefill_layers":
-        x = args[1]
-        return x.shape[0] * x.shape[1] <= PREFILL_YNNPACK_MAX_TOKENS
-    return kind == "decode_layers"
 
 
 def _pow2(n: int) -> int:
