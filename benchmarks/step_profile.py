@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import json
 import time
+from pathlib import Path
 
 import fire
 import jax
@@ -55,14 +56,14 @@ def main(
     engine = TimedEngine(llm.config, llm.params, llm.mesh, eos_ids=llm.eos_ids, max_slots=slots)
     rng = np.random.default_rng(seed)
     if job is not None:
-        lines = [json.loads(line) for line in open(job) if line.strip()]
+        lines = [json.loads(line) for line in Path(job).read_text().splitlines() if line.strip()]
         prompts = [llm.encode_chat(x["messages"]) for x in lines]
         limits = [x.get("max_tokens", max_tokens) for x in lines]
-        requests = f"{len(lines)} requests of {job}"
+        label = f"{len(lines)} requests of {job}"
     else:
         prompts = [rng.integers(3, llm.config.vocab_size, prompt).tolist() for _ in range(requests)]
         limits = [max_tokens] * len(prompts)
-        requests = f"{requests} requests x {prompt} prompt tokens, max_tokens {max_tokens}"
+        label = f"{requests} requests x {prompt} prompt tokens, max_tokens {max_tokens}"
 
     def job_requests():  # longest first, as `jaxllama run` submits them
         return [
@@ -81,7 +82,7 @@ def main(
         pass
     wall = time.perf_counter() - start
     tokens = engine.stats.generated_tokens - generated
-    print(f"{requests}, {slots} slots: {wall:.1f} s, {tokens} tokens, {tokens / wall:.1f} tok/s")
+    print(f"{label}, {slots} slots: {wall:.1f} s, {tokens} tokens, {tokens / wall:.1f} tok/s")
     print(f"compile (first run): {compile_s:.1f} s")
     print(f"{'program (layers: rows x tokens /cache length)':<46}{'calls':>7}{'s':>9}{'ms/call':>10}{'compile s':>11}")
     for kind in sorted(set(engine.times) | set(compiles)):

@@ -38,10 +38,7 @@ def bucket(n: int, limit: int, minimum: int = MIN_BUCKET) -> int:
     steps would only add compilations."""
     size = minimum
     while size < n:
-        if size & (size - 1):  # 1.5 x a power of two
-            size = size * 4 // 3
-        else:
-            size = size * 3 // 2 if size >= FINE_BUCKETS_FROM else size * 2
+        size = _grow(size, fine=size >= FINE_BUCKETS_FROM)
     return min(size, limit)
 
 
@@ -53,8 +50,15 @@ def prompt_bucket(n: int, limit: int) -> int:
     else:
         size = 64
         while size < n:
-            size = size * 3 // 2 if (size & (size - 1)) == 0 else size * 4 // 3
+            size = _grow(size, fine=True)
     return min(size, limit)
+
+
+def _grow(size: int, fine: bool) -> int:
+    """The next bucket after `size`: 2x, or with `fine`, 1.5x a power of two and then the next power of two."""
+    if size & (size - 1):  # 1.5 x a power of two
+        return size * 4 // 3
+    return size * 3 // 2 if fine else size * 2
 
 
 def allocate(config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype) -> KVCache:
