@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllama.core.config import ModelConfig
+from jaxllama.kernels.decode_attention import decode_attention
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v); see `cache_shapes`
 
@@ -103,12 +104,13 @@ def rms_norm(p, x: jax.Array, eps: float) -> jax.Array:
     return (normed * p["scale"].astype(jnp.float32)).astype(x.dtype)
 
 
-def attention(p, c: ModelConfig, x, positions, cache_k, cache_v, rows=None):
+def attention(p, c: ModelConfig, x, positions, cache_k, cache_v, rows=None, kernel=False):
     """x [b, t, dim], positions [b, t]; cache_k [n, kv_heads, head_dim, s], cache_v [n, kv_heads, s, head_dim]
     -> (out, cache_k, cache_v).
 
     `rows` [b] (optional): the cache row of each x row (n may then exceed b; an index >= n writes nothing);
-    by default row i of x is row i of the cache (n == b)."""
+    by default row i of x is row i of the cache (n == b). `kernel`: a decode step (t = 1) attends through the
+    CPU kernel (`kernels/decode_attention.py`, loaded by the caller; float32, one device) instead of XLA."""
     freqs = rope_frequencies(c)
     q = apply_rope(linear(x, p["wq"]), positions, freqs)
     k = apply_rope(linear(x, p["wk"]), positions, freqs)
@@ -118,13 +120,16 @@ def attention(p, c: ModelConfig, x, positions, cache_k, cache_v, rows=None):
     at = (jnp.arange(x.shape[0]) if rows is None else rows)[:, None]
     cache_k = cache_k.at[at, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
     cache_v = cache_v.at[at, :, positions].set(v.astype(cache_v.dtype), mode="drop")
+    groups = c.n_heads // c.n_kv_heads
+    q = q.reshape(*q.shape[:2], c.n_kv_heads, groups, c.head_dim)  # [b, t, kv, g, hd]
+    if kernel and x.shape[1] == 1:  # the kernel reads each row's slot of the cache in place
+        slots = jnp.arange(x.shape[0]) if rows is None else rows
+        out = decode_attention(q[:, 0], cache_k, cache_v, slots, positions[:, 0])[:, None]
+        return _output(p, c, out), cache_k, cache_v
     keys, values = cache_k, cache_v
     if rows is not None:  # this batch's rows, read in place: XLA fuses the gather into the attention loops.
         # (With mode="clip", a single row becomes a slice fused with the write, and XLA copies the cache.)
         keys, values = (jnp.take(c_, rows, axis=0, mode="fill", fill_value=0) for c_ in (cache_k, cache_v))
-
-    groups = c.n_heads // c.n_kv_heads
-    q = q.reshape(*q.shape[:2], c.n_kv_heads, groups, c.head_dim)  # [b, t, kv, g, hd]
     visible = jnp.arange(values.shape[2])[None, None, :] <= positions[:, :, None]  # [b, t, s]
     if x.shape[1] == 1:  # decode: 487 ms/step instead of 643 at batch 32, cache 512 (SmolLM2, this CPU)
         out = _decode_attention(q[:, 0], keys, values, visible[:, 0])[:, None]
@@ -133,8 +138,13 @@ def attention(p, c: ModelConfig, x, positions, cache_k, cache_v, rows=None):
         scores = jnp.where(visible[:, None, None], scores * (1.0 / np.sqrt(c.head_dim)), -1e30)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bkgts,bksd->btkgd", probs, values.astype(x.dtype))
+    return _output(p, c, out), cache_k, cache_v
+
+
+def _output(p, c: ModelConfig, out):
+    """Attention's output projection: out [b, t, kv, g, head_dim] -> [b, t, dim]."""
     out = out.reshape(*out.shape[:2], c.n_heads, c.head_dim)  # [b, t, heads, head_dim]
-    return linear(out, p["wo"], in_dims=2), cache_k, cache_v
+    return linear(out, p["wo"], in_dims=2)
 
 
 def _decode_attention(q, cache_k, cache_v, visible):
@@ -152,12 +162,12 @@ def mlp(p, x):
     return linear(jax.nn.silu(linear(x, p["w1"])) * linear(x, p["w3"]), p["w2"])
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def block(p, c: ModelConfig, x, positions, cache_k, cache_v, rows=None):
+@functools.partial(jax.jit, static_argnums=(1, 7))
+def block(p, c: ModelConfig, x, positions, cache_k, cache_v, rows=None, kernel=False):
     """One decoder layer. Jitted on its own so that tracing a model traces one layer, not n_layers of
     them (the outer jit inlines it: the compiled program is the same)."""
     h, cache_k, cache_v = attention(
-        p["attention"], c, rms_norm(p["attention_norm"], x, c.norm_eps), positions, cache_k, cache_v, rows
+        p["attention"], c, rms_norm(p["attention_norm"], x, c.norm_eps), positions, cache_k, cache_v, rows, kernel
     )
     x = x + h
     x = x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, c.norm_eps))
@@ -169,12 +179,12 @@ def embed(params, tokens):
     return jnp.take(params["embedding"], tokens, axis=0)
 
 
-def layers(layer_params: list, c: ModelConfig, x, positions, cache: KVCache, rows=None):
+def layers(layer_params: list, c: ModelConfig, x, positions, cache: KVCache, rows=None, kernel=False):
     """Consecutive decoder layers (their params and caches in order): x -> (x, cache). The engine runs a
-    model as a few of these programs in turn (see `engine/step.py`)."""
+    model as a few of these programs in turn (see `engine/step.py`); `kernel` as in `attention`."""
     new_cache = []
     for p, (k, v) in zip(layer_params, cache, strict=True):
-        x, k, v = block(p, c, x, positions, k, v, rows)
+        x, k, v = block(p, c, x, positions, k, v, rows, kernel)
         new_cache.append((k, v))
     return x, new_cache
 

@@ -82,9 +82,10 @@ def decode_inputs(params, state: DecodeState, slots=None):
     return embed(params, tokens[:, None]), positions[:, None]
 
 
-def decode_layers(layer_params, x, positions, cache: KVCache, slots=None, *, config: ModelConfig):
-    """Some consecutive layers of a decode step; each row reads and writes its slot's row of their cache."""
-    return layers(layer_params, config, x, positions, cache, rows=slots)
+def decode_layers(layer_params, x, positions, cache: KVCache, slots=None, *, config: ModelConfig, kernel: bool = False):
+    """Some consecutive layers of a decode step; each row reads and writes its slot's row of their cache. `kernel`:
+    attention through the CPU kernel (`model.attention`)."""
+    return layers(layer_params, config, x, positions, cache, rows=slots, kernel=kernel)
 
 
 def decode_outputs(params, state: DecodeState, keep, x, slots=None, *, config: ModelConfig, flags: SamplerFlags):

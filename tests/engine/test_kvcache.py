@@ -5,9 +5,10 @@ import pytest
 from jaxllama.engine import kvcache
 
 
-def test_cache_buckets_double_below_128_then_step_by_half():
+def test_cache_buckets_start_at_128_then_step_by_half():
     sizes = sorted({kvcache.bucket(n, 1 << 20) for n in range(1, 3000)})
-    assert sizes == [64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072]
+    assert sizes == [128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072]
+    assert sorted({kvcache.bucket(n, 1 << 20, minimum=16) for n in range(1, 200)}) == [16, 32, 64, 128, 192, 256]
 
 
 @pytest.mark.parametrize("n", [1, 64, 65, 129, 193, 257, 385, 1000, 2049])

@@ -1,0 +1,86 @@
+"""The CPU decode-attention kernel against XLA's attention (`model._decode_attention` over the gathered rows), and
+an engine that uses it against one that does not."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllama.core.model import _decode_attention
+from jaxllama.core.sharding import make_mesh
+from jaxllama.engine.engine import Engine, Request
+from jaxllama.engine.sampling import SamplingParams
+from jaxllama.kernels import decode_attention
+from tests.engine.conftest import random_prompts, spread_params, tiny_config
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    assert decode_attention.load(tmp_path_factory.mktemp("kernels"))
+    return jax.jit(decode_attention.decode_attention)
+
+
+def xla_attention(q, keys, values, slots, positions):
+    rows_k, rows_v = (jnp.take(x, slots, axis=0, mode="fill", fill_value=0) for x in (keys, values))
+    visible = jnp.arange(keys.shape[-1])[None, :] <= positions[:, None]
+    return _decode_attention(q, rows_k, rows_v, visible)
+
+
+@pytest.mark.parametrize(
+    "rows, slots, kv, groups, head_dim, length",
+    [
+        (1, 1, 1, 1, 8, 8),  # one thread does it all
+        (5, 8, 2, 4, 8, 48),
+        (32, 64, 3, 3, 64, 128),  # SmolLM2's heads; shared with the thread pool
+        (64, 64, 3, 3, 64, 384),
+        (7, 16, 4, 2, 16, 200),  # a cache length no multiple of the vector width
+    ],
+)
+def test_kernel_matches_xla(kernel, rows, slots, kv, groups, head_dim, length):
+    rng = np.random.default_rng(rows + length)
+    q = rng.standard_normal((rows, kv, groups, head_dim), np.float32)
+    keys = rng.standard_normal((slots, kv, head_dim, length), np.float32)
+    values = rng.standard_normal((slots, kv, length, head_dim), np.float32)
+    rows_in = rng.choice(slots, size=rows, replace=rows > slots).astype(np.int32)
+    if rows > 2:
+        rows_in[-1] = slots  # a padding row: zeros out
+    positions = rng.integers(0, length, rows).astype(np.int32)
+    positions[0] = 0  # sees one position
+    positions[-2 if rows > 2 else 0] = length - 1  # sees the whole cache
+    got = np.asarray(kernel(q, keys, values, rows_in, positions))
+    want = np.asarray(jax.jit(xla_attention)(q, keys, values, rows_in, positions))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+    if rows > 2:
+        assert not got[-1].any()
+
+
+def test_engine_with_and_without_the_kernel_agree(kernel):
+    config = tiny_config(n_kv_heads=4)  # groups of 2
+    params = spread_params(config, seed=3)
+    prompts = random_prompts(12, seed=5)
+    tokens = {}
+    for use in (True, False):
+        mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
+        engine = Engine(config, params, mesh, eos_ids=[], max_slots=8, cpu_kernels=use)
+        requests = [Request(i, p, SamplingParams(max_tokens=6 + i, temperature=0.0)) for i, p in enumerate(prompts)]
+        out = {i: [] for i in range(len(prompts))}
+        for update in engine.generate(requests):
+            out[update.id] += update.tokens
+        assert engine._attention_kernel() is use
+        tokens[use] = out
+    assert tokens[True] == tokens[False]
+
+
+def test_a_missing_compiler_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(RuntimeError, match="no C.. compiler .'no-such-compiler'"):
+        decode_attention.build(tmp_path)
+
+
+def test_the_kernel_can_be_switched_off(kernel, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXLLAMA_CPU_KERNELS", "0")
+    assert decode_attention.load(tmp_path) is False
