@@ -1,14 +1,15 @@
 """Where an engine step's time goes: each compiled program's calls timed alone.
 
     python -m benchmarks.step_profile [--requests 32] [--prompt 40] [--max-tokens 64] [--slots 32]
-    python -m benchmarks.step_profile --job JOB.jsonl [--slots 64]
+    python -m benchmarks.step_profile --job JOB.jsonl [--slots 64] [--layers 5]
 
 Runs the engine on the default model (SmolLM2-135M-Instruct, float32) over random prompts, or over a job's
 chat requests (chat template applied, each line's max_tokens, greedy, longest first as `jaxllama run` runs
 them), twice: once to compile, once timed, with every program call waited for (so the sum is a little above an
 unsynchronized run's wall time). Prints, for each kind of program (`engine/step.py`; layer programs by rows x
-tokens and cache length), its calls, total seconds and milliseconds per call in the timed run, and its
-compile seconds in the first run.
+tokens and the positions they attend over: the cache's length in a decode, the span in a prefill), its calls,
+total seconds and milliseconds per call in the timed run, and its compile seconds in the first run. `--layers`:
+decoder layers per compiled program.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ class TimedEngine(Engine):
     def _run(self, kind, fn, args, static_key=None, donate=None, out=None):
         compiling, start = self.stats.compile_s, time.perf_counter()
         result = jax.block_until_ready(super()._run(kind, fn, args, static_key, donate, out))
-        if kind.endswith("layers"):  # by shape: rows x tokens, over a cache of some length
+        if kind.endswith("layers"):  # by shape: rows x tokens, over a cache (decode) or a span (prefill) of some length
             x, cache = args[1], args[3]
-            kind = f"{kind} {x.shape[0]}x{x.shape[1]} /{kvcache.length(cache)}"
+            span = x.shape[1] if cache is None else kvcache.length(cache)
+            kind = f"{kind} {x.shape[0]}x{x.shape[1]} /{span}"
         self.compiles[kind] += self.stats.compile_s - compiling
         self.times[kind] += time.perf_counter() - start - (self.stats.compile_s - compiling)
         self.calls[kind] += 1

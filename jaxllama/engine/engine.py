@@ -341,14 +341,7 @@ class Engine:
             (tokens, starts, lengths, sources, slot_ids, seen, sampling, max_tokens, limits, stop_ids)
         )
         x, positions = self._run("prefill_inputs", prefill_inputs, (self._outer, tokens, starts))
-        x = self._layers(
-            "prefill_layers",
-            functools.partial(prefill_layers, config=self.config, span=span),
-            x,
-            positions,
-            (sources, slot_ids),
-            span,
-        )
+        x = self._prefill_layers(x, positions, sources, slot_ids, span, fresh=all(r[2] == 0 for r in rows))
         if warm:  # only the caches: no token to sample
             jax.block_until_ready(x)
         else:
@@ -539,12 +532,26 @@ class Engine:
     def _put(self, xs):
         return jax.tree.map(lambda x: _global(np.asarray(x), self._replicated), xs)
 
-    def _layers(self, kind: str, fn, x, positions, extra: tuple, static_key=None):
+    def _layers(self, kind: str, fn, x, positions, extra: tuple):
         """Run every layer on x, one program call per run of layers; each call updates its layers' cache."""
         for (a, b), params in zip(self._runs, self._run_params, strict=True):
             args = (params, x, positions, self.cache[a:b], *extra)
             out = (self._activations, [self._cache_sharding] * (b - a))
-            x, self.cache[a:b] = self._run(kind, fn, args, static_key, donate=3, out=out)
+            x, self.cache[a:b] = self._run(kind, fn, args, donate=3, out=out)
+        return x
+
+    def _prefill_layers(self, x, positions, sources, slots, span: int, fresh: bool):
+        """Every layer of a prefill, a run of layers at a time (`step.prefill_layers`): the rows' caches start empty
+        (`fresh`) or as copies of the first `span` positions of slots `sources`, and end in slots `slots`."""
+        take = functools.partial(kvcache.take_rows, span=span)
+        put = functools.partial(kvcache.put_rows, span=span)
+        run_layers = functools.partial(prefill_layers, config=self.config)
+        for (a, b), params in zip(self._runs, self._run_params, strict=True):
+            caches = [self._cache_sharding] * (b - a)
+            rows = None if fresh else self._run("prefill_take", take, (self.cache[a:b], sources), span, out=caches)
+            out = (self._activations, caches)
+            x, rows = self._run("prefill_layers", run_layers, (params, x, positions, rows), out=out)
+            self.cache[a:b] = self._run("prefill_put", put, (self.cache[a:b], rows, slots), span, donate=0, out=caches)
         return x
 
     def _run(self, kind: str, fn, args, static_key=None, donate: int | None = None, out=None):

@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllama.core.config import ModelConfig
-from jaxllama.core.model import KVCache, embed, head, layers
-from jaxllama.engine import kvcache
+from jaxllama.core.model import KVCache, cache_shapes, embed, head, layers
 from jaxllama.engine.sampling import SamplerFlags, SamplingRows, sample
 
 
@@ -126,12 +125,17 @@ def prefill_inputs(params, tokens, starts):
     return embed(params, tokens), starts[:, None] + jnp.arange(tokens.shape[1])[None, :]
 
 
-def prefill_layers(layer_params, x, positions, cache: KVCache, sources, slots, *, config: ModelConfig, span: int):
-    """Some consecutive layers of a prefill. Row i's cache (`span` positions) starts as a copy of slot
-    sources[i]'s, whose first positions hold the same prefix (prefix reuse), and ends in slot slots[i] of
-    the slots' cache (index >= slots: a padding row, dropped)."""
-    x, rows = layers(layer_params, config, x, positions, kvcache.take_rows(cache, sources, span))
-    return x, kvcache.put_rows(cache, rows, slots, span)
+def prefill_layers(layer_params, x, positions, rows: KVCache | None, *, config: ModelConfig):
+    """Some consecutive layers of a prefill, over the rows' own caches: `rows` per layer holds, for each of the n
+    rows, the first `span` positions of a slot that already computed a prefix of its prompt (`kvcache.take_rows`),
+    or is None for prompts computed from their start (span = x's length). Returns (x, rows with the new tokens'
+    keys/values), which `kvcache.put_rows` then stores in the rows' slots. The slots' cache is no input here, so
+    that these programs, the costliest to compile, are compiled per rows x tokens x span and not also per cache
+    length (SmolLM2, 256-request job: ~24 programs instead of ~40, ~1.1 s each)."""
+    if rows is None:
+        shapes = cache_shapes(config, x.shape[0], x.shape[1])
+        rows = [tuple(jnp.zeros(shape, x.dtype) for shape in shapes)] * len(layer_params)
+    return layers(layer_params, config, x, positions, rows)
 
 
 def prefill_last(x, lengths):
