@@ -307,7 +307,8 @@ class Engine:
         fill the caches (shared prefixes); nothing is reported."""
         q = kvcache.prompt_bucket(max(len(t) for _, t, *_ in rows), self.max_context)
         needed = max(start + q for _, _, start, _, _ in rows)
-        span = q if all(start == 0 for _, _, start, _, _ in rows) else kvcache.bucket(needed, self.max_context)
+        fresh = all(start == 0 for _, _, start, _, _ in rows)  # no row reuses a prefix
+        span = q if fresh else kvcache.bucket(needed, self.max_context)
         self._ensure_cache(needed)
         n = _pow2(len(rows))
         n = -(-n // self.mesh.shape["data"]) * self.mesh.shape["data"]
@@ -341,7 +342,7 @@ class Engine:
             (tokens, starts, lengths, sources, slot_ids, seen, sampling, max_tokens, limits, stop_ids)
         )
         x, positions = self._run("prefill_inputs", prefill_inputs, (self._outer, tokens, starts))
-        x = self._prefill_layers(x, positions, sources, slot_ids, span, fresh=all(r[2] == 0 for r in rows))
+        x = self._prefill_layers(x, positions, sources, slot_ids, span, fresh)
         if warm:  # only the caches: no token to sample
             jax.block_until_ready(x)
         else:
