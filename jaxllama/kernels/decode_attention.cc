@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include <sched.h>
+
 #include "xla/ffi/api/c_api.h"
 
 namespace {
@@ -185,8 +187,7 @@ extern "C" XLA_FFI_Error* JaxllamaDecodeAttention(XLA_FFI_CallFrame* frame) {
     }
   }
   work->Run();  // claims whatever chunks the pool has not started; then waits for those in progress
-  while (work->done.load(std::memory_order_acquire) < work->chunks) {
-  }
+  while (work->done.load(std::memory_order_acquire) < work->chunks) sched_yield();
   work->Release();
   return nullptr;
 }
