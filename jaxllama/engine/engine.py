@@ -357,7 +357,8 @@ class Engine:
         self.stats.prefill_tokens += int(lengths[: len(rows)].sum())
         self.stats.prefill_s += now - start - (self.stats.compile_s - compiling)
         for r, _, _, _, slot in rows:
-            self._keep[slot] = True  # a cancelled slot refilled now: the cancel must not hit its new request
+            if not warm:  # a cancelled slot refilled now: the cancel must not hit its new request
+                self._keep[slot] = True
             self.prefixes.hold(slot, r.prompt)
         if warm:
             return []

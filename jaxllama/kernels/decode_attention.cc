@@ -59,7 +59,7 @@ void Attend(const float* q, const float* keys, const float* values, int64_t visi
 // through a reference count, since a pool thread may start after the call has returned.
 struct Work {
   const float *q, *keys, *values;
-  const int32_t *rows, *positions;
+  const int32_t *slot_of, *positions;  // per query row: its cache row, its position
   float* out;
   Shape s;
   int64_t chunks, per_chunk;
@@ -72,7 +72,7 @@ struct Work {
       for (int64_t i = c * per_chunk, end = std::min((c + 1) * per_chunk, s.rows * s.kv); i < end; ++i) {
         const int64_t b = i / s.kv, h = i % s.kv;
         float* o = out + i * s.groups * s.dim;
-        const int64_t slot = rows[b], visible = std::min<int64_t>(positions[b] + 1, s.length);
+        const int64_t slot = slot_of[b], visible = std::min<int64_t>(int64_t{positions[b]} + 1, s.length);
         if (slot < 0 || slot >= s.slots || visible <= 0) {  // a padding row
           std::fill(o, o + s.groups * s.dim, 0.0f);
           continue;
@@ -120,6 +120,7 @@ void Discard(const XLA_FFI_Api* api, XLA_FFI_Error* error) {
 // positions [rows] s32 (the query's position: it sees positions 0..position). Result: [rows, kv, groups, dim].
 extern "C" XLA_FFI_Error* JaxllamaDecodeAttention(XLA_FFI_CallFrame* frame) {
   const XLA_FFI_Api* api = frame->api;
+  // XLA first asks for the handler's metadata (the FFI version it was built against), as the first extension.
   if (frame->extension_start && frame->extension_start->type == XLA_FFI_Extension_Metadata) {
     auto* metadata = reinterpret_cast<XLA_FFI_Metadata_Extension*>(frame->extension_start)->metadata;
     metadata->api_version = XLA_FFI_Api_Version{XLA_FFI_Api_Version_STRUCT_SIZE, nullptr, XLA_FFI_API_MAJOR,
@@ -139,8 +140,9 @@ extern "C" XLA_FFI_Error* JaxllamaDecodeAttention(XLA_FFI_CallFrame* frame) {
   const XLA_FFI_Buffer* floats[] = {q, keys, values, result};
   for (const XLA_FFI_Buffer* b : floats)
     if (b->dtype != XLA_FFI_DataType_F32 || b->rank != 4) return Fail(api, "decode_attention: f32 [.,.,.,.]");
-  if (slots->dtype != XLA_FFI_DataType_S32 || positions->dtype != XLA_FFI_DataType_S32)
-    return Fail(api, "decode_attention: s32 slots and positions");
+  if (slots->dtype != XLA_FFI_DataType_S32 || positions->dtype != XLA_FFI_DataType_S32 || slots->rank != 1 ||
+      positions->rank != 1)
+    return Fail(api, "decode_attention: s32 [rows] slots and positions");
   const int64_t *qd = q->dims, *kd = keys->dims, *vd = values->dims;
   if (kd[1] != qd[1] || kd[2] != qd[3] || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[3] || vd[3] != kd[2] ||
       slots->dims[0] != qd[0] || positions->dims[0] != qd[0])
@@ -150,7 +152,7 @@ extern "C" XLA_FFI_Error* JaxllamaDecodeAttention(XLA_FFI_CallFrame* frame) {
   work->q = static_cast<const float*>(q->data);
   work->keys = static_cast<const float*>(keys->data);
   work->values = static_cast<const float*>(values->data);
-  work->rows = static_cast<const int32_t*>(slots->data);
+  work->slot_of = static_cast<const int32_t*>(slots->data);
   work->positions = static_cast<const int32_t*>(positions->data);
   work->out = static_cast<float*>(result->data);
   work->s = Shape{qd[0], kd[0], qd[1], qd[2], qd[3], kd[3]};

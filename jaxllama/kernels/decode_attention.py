@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -35,6 +36,9 @@ def decode_attention(q, keys, values, slots, positions):
     return jax.ffi.ffi_call(TARGET, out)(q, keys, values, slots.astype(jnp.int32), positions.astype(jnp.int32))
 
 
+_loaded: bool | None = None  # what the process's first `load` came to
+
+
 def load(folder: Path) -> bool:
     """Build the kernel into `folder` (once per machine and version) and register it with XLA. XLA takes one
     library per target and process, so the process's first call decides for all. False, with a warning saying
@@ -44,7 +48,12 @@ def load(folder: Path) -> bool:
         return False
     if _loaded is None:
         try:
-            library = ctypes.cdll.LoadLibrary(str(build(Path(folder))))
+            path = build(Path(folder))
+            try:
+                library = ctypes.cdll.LoadLibrary(str(path))
+            except OSError:  # a damaged library left by an earlier build: build it again
+                path.unlink(missing_ok=True)
+                library = ctypes.cdll.LoadLibrary(str(build(Path(folder))))
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxllamaDecodeAttention), platform="cpu")
             _loaded = True
         except Exception as e:  # no compiler, a failed build, a library XLA refuses: XLA's attention instead
@@ -53,16 +62,13 @@ def load(folder: Path) -> bool:
     return _loaded
 
 
-_loaded: bool | None = None  # what the process's first `load` came to
-
-
 def build(folder: Path) -> Path:
     """The shared library, compiled into `folder` unless a build of the same source, compiler, flags, XLA FFI headers
     and CPU is there already. RuntimeError where there is no compiler or it fails."""
-    compiler = os.environ.get("CXX") or "c++"
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C++ compiler ({compiler!r}; set $CXX)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    compiler = shlex.split(os.environ.get("CXX") or "c++")  # "ccache g++" too
+    if not compiler or shutil.which(compiler[0]) is None:
+        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'c++'!r}; set $CXX)")
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     include = jax.ffi.include_dir()
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _headers(include), _cpu().encode()):
@@ -73,10 +79,10 @@ def build(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         built = Path(tmp) / target.name
-        command = [compiler, *FLAGS, "-I", include, str(SOURCE), "-o", str(built)]
+        command = [*compiler, *FLAGS, "-I", include, str(SOURCE), "-o", str(built)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{done.stderr[-2000:]}")
+            raise RuntimeError(f"{' '.join(compiler)} failed on {SOURCE.name}:\n{done.stderr[-2000:]}")
         os.replace(built, target)  # atomic: processes building at once each install a whole library
     return target
 

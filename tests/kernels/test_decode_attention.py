@@ -35,8 +35,8 @@ def xla_attention(q, keys, values, slots, positions):
     [
         (1, 1, 1, 1, 8, 8),  # one thread does it all
         (5, 8, 2, 4, 8, 48),
-        (32, 64, 3, 3, 64, 128),  # SmolLM2's heads; shared with the thread pool
-        (64, 64, 3, 3, 64, 384),
+        (32, 64, 3, 3, 64, 128),  # SmolLM2's heads
+        (64, 64, 3, 3, 64, 384),  # shared with the thread pool
         (7, 16, 4, 2, 16, 200),  # a cache length no multiple of the vector width
     ],
 )
