@@ -96,7 +96,7 @@ def main(
     tokens = engine.stats.generated_tokens - generated
     print(f"{label}, {slots} slots: {wall:.1f} s, {tokens} tokens, {tokens / wall:.1f} tok/s")
     print(f"first run: {first:.1f} s, of which compile {compile_s:.1f} s ({layers} layers per program)")
-    print(f"{'program (layers: rows x tokens /cache length)':<46}{'calls':>7}{'s':>9}{'ms/call':>10}{'compile s':>11}")
+    print(f"{'program (layers: rows x tokens /positions)':<46}{'calls':>7}{'s':>9}{'ms/call':>10}{'compile s':>11}")
     for kind in sorted(set(engine.times) | set(compiles)):
         calls, seconds = engine.calls[kind], engine.times.get(kind, 0.0)
         per_call = f"{1e3 * seconds / calls:>10.1f}" if calls else f"{'-':>10}"

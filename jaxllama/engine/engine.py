@@ -392,7 +392,7 @@ class Engine:
         steps = []
         for _ in range(n_steps):  # no host round trip between steps: each reads the last one's state on device
             x, positions = self._run("decode_inputs", decode_inputs, (self._outer, self.state, slots))
-            x = self._layers("decode_layers", layers_fn, x, positions, (slots,))
+            x = self._decode_layers(layers_fn, x, positions, slots)
             args = (self._outer, self.state, keep, x, slots)
             self.state, *out = self._run("decode_outputs", outputs_fn, args, flags, donate=1)
             steps.append(out)
@@ -534,12 +534,12 @@ class Engine:
     def _put(self, xs):
         return jax.tree.map(lambda x: _global(np.asarray(x), self._replicated), xs)
 
-    def _layers(self, kind: str, fn, x, positions, extra: tuple):
-        """Run every layer on x, one program call per run of layers; each call updates its layers' cache."""
+    def _decode_layers(self, fn, x, positions, slots):
+        """Every layer of a decode step, one program call per run of layers; each call updates its layers' cache."""
         for (a, b), params in zip(self._runs, self._run_params, strict=True):
-            args = (params, x, positions, self.cache[a:b], *extra)
+            args = (params, x, positions, self.cache[a:b], slots)
             out = (self._activations, [self._cache_sharding] * (b - a))
-            x, self.cache[a:b] = self._run(kind, fn, args, donate=3, out=out)
+            x, self.cache[a:b] = self._run("decode_layers", fn, args, donate=3, out=out)
         return x
 
     def _prefill_layers(self, x, positions, sources, slots, span: int, fresh: bool):

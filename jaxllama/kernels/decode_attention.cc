@@ -162,17 +162,17 @@ extern "C" XLA_FFI_Error* JaxllamaDecodeAttention(XLA_FFI_CallFrame* frame) {
   // Small calls run on this thread alone: handing work to the pool costs more than it saves.
   const bool alone = pairs * kd[3] < kMinShared;
 
-  int64_t threads = 0;
-  XLA_FFI_ThreadPool_NumThreads_Args count;
-  std::memset(&count, 0, sizeof(count));
-  count.struct_size = XLA_FFI_ThreadPool_NumThreads_Args_STRUCT_SIZE;
-  count.ctx = frame->ctx;
-  count.num_threads = &threads;
-  if (alone) {
-    threads = 0;
-  } else if (XLA_FFI_Error* error = api->XLA_FFI_ThreadPool_NumThreads(&count)) {  // no pool: this thread alone
-    Discard(api, error);
-    threads = 0;
+  int64_t threads = 0;  // the pool's, when there is one and the call is large enough to share
+  if (!alone) {
+    XLA_FFI_ThreadPool_NumThreads_Args count;
+    std::memset(&count, 0, sizeof(count));
+    count.struct_size = XLA_FFI_ThreadPool_NumThreads_Args_STRUCT_SIZE;
+    count.ctx = frame->ctx;
+    count.num_threads = &threads;
+    if (XLA_FFI_Error* error = api->XLA_FFI_ThreadPool_NumThreads(&count)) {
+      Discard(api, error);
+      threads = 0;
+    }
   }
   for (int64_t i = 0; i < std::min(threads, work->chunks - 1); ++i) {
     XLA_FFI_ThreadPool_Schedule_Args schedule;
