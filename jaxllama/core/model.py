@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxllama.core.config import ModelConfig
 from jaxllama.kernels.decode_attention import decode_attention
+from jaxllama.kernels.matmul import Packed, matmul, pack
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v); see `cache_shapes`
 
@@ -88,12 +89,16 @@ def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str
 # parameters and call the same functions (tracing through Linen's `apply` costs ~2x more per compile).
 
 
-def linear(x: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | Packed, in_dims: int = 1) -> jax.Array:
     """x [..., *in] times w [*out, *in] (stored (out, in), `in_dims` trailing dims) -> [..., *out], as one 2-D
     product: XLA:CPU otherwise transposes 3-D attention weights on every call (32x576 @ wq: 0.51 ms
-    against 1.26 ms as an einsum over (heads, head_dim, dim))."""
+    against 1.26 ms as an einsum over (heads, head_dim, dim)). A weight packed for the CPU kernel
+    (`kernels/matmul.py`) goes through it."""
+    lead = x.shape[: x.ndim - in_dims]
+    if isinstance(w, Packed):
+        return matmul(x.reshape(*lead, -1), w)
     n_in = int(np.prod(w.shape[w.ndim - in_dims :]))
-    lead, out = x.shape[: x.ndim - in_dims], w.shape[: w.ndim - in_dims]
+    out = w.shape[: w.ndim - in_dims]
     y = jax.lax.dot_general(w.reshape(-1, n_in), x.reshape(-1, n_in), (((1,), (1,)), ((), ()))).T
     return y.reshape(*lead, *out)
 
@@ -191,11 +196,32 @@ def layers(layer_params: list, c: ModelConfig, x, positions, cache: KVCache, row
 
 def head(params, c: ModelConfig, x, logits_at=None):
     """Final norm and output projection: x [b, t, dim] -> float32 logits [b, t, vocab], or [b, vocab] at time
-    index logits_at [b] of each row."""
+    index logits_at [b] of each row. A tied model projects through its embedding, or through an `output`
+    (the embedding packed by `pack_weights`) where its params have one."""
     x = rms_norm(params["norm"], x, c.norm_eps)
     if logits_at is not None:
         x = x[jnp.arange(x.shape[0]), logits_at]
-    return linear(x, params["embedding"] if c.tie_embeddings else params["output"]).astype(jnp.float32)
+    output = params.get("output", params["embedding"]) if c.tie_embeddings else params["output"]
+    return linear(x, output).astype(jnp.float32)
+
+
+# Every product's weight, by its name in the params tree, and the trailing dims it contracts (`linear`'s in_dims).
+PRODUCT_IN_DIMS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w1": 1, "w2": 1, "w3": 1, "output": 1}
+
+
+def pack_weights(params, c: ModelConfig):
+    """params (the whole tree, or the layers' or outer part of it) with every product's weight packed for the CPU
+    matmul kernel (`kernels/matmul.py`), which `linear` then calls; a tied model's embedding is also packed as
+    its `output`. Float32, on one device."""
+
+    def one(path, w):
+        name = path[-1].key if isinstance(path[-1], jax.tree_util.DictKey) else None
+        return pack(w, in_dims=PRODUCT_IN_DIMS[name]) if name in PRODUCT_IN_DIMS else w
+
+    packed = jax.tree_util.tree_map_with_path(one, params)
+    if isinstance(packed, dict) and c.tie_embeddings and "embedding" in packed:
+        packed["output"] = pack(packed["embedding"])
+    return packed
 
 
 def layer_params(params, c: ModelConfig, start: int = 0, stop: int | None = None) -> list:

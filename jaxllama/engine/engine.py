@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllama.core.config import ModelConfig
-from jaxllama.core.model import layer_params
+from jaxllama.core.model import layer_params, pack_weights
 from jaxllama.core.sharding import named_sharding
 from jaxllama.engine import kvcache
 from jaxllama.engine.prefix import ResidentPrefixes, shared_prefixes
@@ -45,7 +45,7 @@ from jaxllama.engine.step import (
     prefill_layers,
     prefill_outputs,
 )
-from jaxllama.kernels import decode_attention
+from jaxllama.kernels import library as kernels
 
 MAX_STOP_IDS = 32
 # Decode slots by default. On SmolLM2 on a 2-core CPU, 64 slots ran the 256-request mixed job in 377 s against
@@ -61,7 +61,7 @@ ROW_BUCKETS = (1, 8, 16, 32, 64)  # decode batch sizes below the slot count (see
 # program) costs more with YNNPACK's set-up than it saves (1 row x 32 tokens: 0.43 s against 0.28; 32 x 16:
 # 2.00 against 2.03); only shapes that recur dozens of times, as one-row admissions do in a long mixed job,
 # would repay it. Nor for the outputs, whose [rows, vocab] product XLA runs faster (32 rows: 38.7 ms against
-# 45.6).
+# 45.6). With the CPU kernels (`Engine._use_cpu_kernels`) no program has a product left for YNNPACK.
 XLA_KERNELS = {"xla_cpu_experimental_ynn_fusion_type": ""}  # compiler options: YNNPACK off
 
 
@@ -161,8 +161,8 @@ class Engine:
         self.prefixes = ResidentPrefixes(self.slots)
         self.cancelled: set[int] = set()
         self._compiled: dict = {}
-        # Decode attention through the CPU kernel: decided at the first step (False: XLA's own, always).
-        self._kernel: bool | None = None if cpu_kernels else False
+        # Products and decode attention through the CPU kernels (`_use_cpu_kernels`), else XLA's own code.
+        self._kernels = cpu_kernels and self._use_cpu_kernels()
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._activations = NamedSharding(mesh, PartitionSpec("data"))  # [batch, ...], batch over `data`
         self._cache_sharding = kvcache.cache_sharding(config, mesh)  # one layer's (keys, values)
@@ -170,12 +170,16 @@ class Engine:
         self._seeds = random.Random(agreed_seed())  # for requests without a seed: the same on every process
         # The params outside the layers (embedding, final norm, output), and the layers' in runs of
         # `layers_per_program`.
+        # Packed, for the CPU kernels, their weights take the place of these.
         self._outer = {k: v for k, v in params.items() if not k.startswith("layers_")}
         n = config.n_layers
         if not isinstance(layers_per_program, int) or layers_per_program < 1:
             raise ValueError(f"layers_per_program={layers_per_program!r}: must be a positive integer")
         self._runs = [(a, min(a + layers_per_program, n)) for a in range(0, n, layers_per_program)]
         self._run_params = [layer_params(params, config, a, b) for a, b in self._runs]
+        if self._kernels:
+            self._outer = pack_weights(self._outer, config)
+            self._run_params = [pack_weights(p, config) for p in self._run_params]
         self.state = self._initial_state()
         self.cache = kvcache.allocate(
             self.config, mesh, self.slots, kvcache.bucket(min_cache, self.max_context), self.dtype
@@ -387,7 +391,7 @@ class Engine:
         slots, keep, kept = self._put(
             (None if len(columns) == self.slots else np.array(columns, np.int32), self._keep, np.ones(self.slots, bool))
         )
-        layers_fn = functools.partial(decode_layers, config=self.config, kernel=self._attention_kernel())
+        layers_fn = functools.partial(decode_layers, config=self.config, kernel=self._kernels)
         outputs_fn = functools.partial(decode_outputs, config=self.config, flags=flags)
         steps = []
         for _ in range(n_steps):  # no host round trip between steps: each reads the last one's state on device
@@ -435,16 +439,16 @@ class Engine:
                 return active + [self.slots] * (size - len(active))
         return list(range(self.slots))
 
-    def _attention_kernel(self) -> bool:
-        """Whether decode steps attend through the CPU kernel (`kernels/decode_attention.py`): on one CPU device, in
-        float32, where it builds (once per machine; the build counts as compilation). SmolLM2, 64 rows over 384
-        positions: 3 ms per layer against XLA's 8."""
-        if self._kernel is None:
-            start = time.perf_counter()
-            usable = jax.default_backend() == "cpu" and self.mesh.size == 1 and self.dtype == np.float32
-            self._kernel = usable and decode_attention.load(cache_dir() / "kernels")
-            self.stats.compile_s += time.perf_counter() - start
-        return self._kernel
+    def _use_cpu_kernels(self) -> bool:
+        """Whether the model's products and decode attention run through the CPU kernels (`kernels/`): on one CPU
+        device, in float32, where they build (once per machine; the build counts as compilation). SmolLM2: a
+        32-row product at 55-65 GFLOP/s against XLA's 45-50; decode attention over 64 rows x 384 positions in 3
+        ms per layer against 8."""
+        start = time.perf_counter()
+        usable = jax.default_backend() == "cpu" and self.mesh.size == 1 and self.dtype == np.float32
+        usable = usable and kernels.load(cache_dir() / "kernels")
+        self.stats.compile_s += time.perf_counter() - start
+        return usable
 
     def _release(self, slot: int, s: _Slot) -> None:
         """The slot is free; its cache keeps the sequence (all but the last token, never fed back)."""
@@ -568,7 +572,8 @@ class Engine:
                 state = jax.tree.map(lambda x: x.sharding, self.state)
                 out = (state,) + (self._replicated,) * 3 if kind.endswith("outputs") else self._activations
             jitted = jax.jit(fn, donate_argnums=() if donate is None else (donate,), out_shardings=out)
-            options = XLA_KERNELS if jax.default_backend() == "cpu" and kind != "decode_layers" else {}
+            ynnpack = kind == "decode_layers" and not self._kernels
+            options = XLA_KERNELS if jax.default_backend() == "cpu" and not ynnpack else {}
             self._compiled[key] = jitted.lower(*args).compile(compiler_options=options)
             self.stats.compiles += 1
             self.stats.compile_s += time.perf_counter() - start

@@ -1,101 +1,17 @@
-"""Decode attention as a hand-written CPU kernel (`decode_attention.cc`), called from jitted code through XLA's FFI.
-
-The kernel is built on first use with the system's C++ compiler (`$CXX`, else `c++`) for this machine's CPU
-(-march=native) and kept in a folder the caller names, under a name that hashes everything the build depends on.
-Where no compiler works, or `JAXLLAMA_CPU_KERNELS=0`, `load` says so and callers keep XLA's own attention.
-"""
+"""Decode attention as a hand-written CPU kernel (`decode_attention.cc`), called from jitted code through XLA's FFI
+once `library.load` has built and registered it."""
 
 from __future__ import annotations
-
-import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 TARGET = "jaxllama_decode_attention"
-SOURCE = Path(__file__).with_name("decode_attention.cc")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
-
-log = logging.getLogger(__name__)
 
 
 def decode_attention(q, keys, values, slots, positions):
     """One query per row: q [b, kv, g, hd]; keys [n, kv, hd, s] and values [n, kv, s, hd], the whole cache; slots
     [b] int32, the cache row of each query row (>= n: a padding row, whose output is zeros); positions [b] int32,
-    each query's position (it sees cache positions 0..position) -> [b, kv, g, hd]. All float32; `load` first."""
+    each query's position (it sees cache positions 0..position) -> [b, kv, g, hd]. All float32."""
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
     return jax.ffi.ffi_call(TARGET, out)(q, keys, values, slots.astype(jnp.int32), positions.astype(jnp.int32))
-
-
-_loaded: bool | None = None  # what the process's first `load` came to
-
-
-def load(folder: Path) -> bool:
-    """Build the kernel into `folder` (once per machine and version) and register it with XLA. XLA takes one
-    library per target and process, so the process's first call decides for all. False, with a warning saying
-    why, where it cannot be built or loaded, or where `JAXLLAMA_CPU_KERNELS=0`."""
-    global _loaded
-    if os.environ.get("JAXLLAMA_CPU_KERNELS", "1") == "0":
-        return False
-    if _loaded is None:
-        try:
-            path = build(Path(folder))
-            try:
-                library = ctypes.cdll.LoadLibrary(str(path))
-            except OSError:  # a damaged library left by an earlier build: build it again
-                path.unlink(missing_ok=True)
-                library = ctypes.cdll.LoadLibrary(str(build(Path(folder))))
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxllamaDecodeAttention), platform="cpu")
-            _loaded = True
-        except Exception as e:  # no compiler, a failed build, a library XLA refuses: XLA's attention instead
-            log.warning("decode attention kernel unavailable, using XLA's: %s", e)
-            _loaded = False
-    return _loaded
-
-
-def build(folder: Path) -> Path:
-    """The shared library, compiled into `folder` unless a build of the same source, compiler, flags, XLA FFI headers
-    and CPU is there already. RuntimeError where there is no compiler or it fails."""
-    compiler = shlex.split(os.environ.get("CXX") or "c++")  # "ccache g++" too
-    if not compiler or shutil.which(compiler[0]) is None:
-        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'c++'!r}; set $CXX)")
-    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _headers(include), _cpu().encode()):
-        key.update(part)
-    target = folder / f"decode_attention-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        built = Path(tmp) / target.name
-        command = [*compiler, *FLAGS, "-I", include, str(SOURCE), "-o", str(built)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(compiler)} failed on {SOURCE.name}:\n{done.stderr[-2000:]}")
-        os.replace(built, target)  # atomic: processes building at once each install a whole library
-    return target
-
-
-def _headers(include: str) -> bytes:
-    return Path(include, "xla", "ffi", "api", "c_api.h").read_bytes()
-
-
-def _cpu() -> str:
-    """What -march=native compiles for: the CPU model and its feature flags where the system says them."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.machine() + platform.processor()
-    wanted = [x for x in lines if x.startswith(("model name", "flags", "Features"))]
-    return platform.machine() + "\n".join(dict.fromkeys(wanted))

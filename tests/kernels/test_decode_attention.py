@@ -12,7 +12,7 @@ from jaxllama.core.model import _decode_attention
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine, Request
 from jaxllama.engine.sampling import SamplingParams
-from jaxllama.kernels import decode_attention
+from jaxllama.kernels import decode_attention, library
 from tests.engine.conftest import random_prompts, spread_params, tiny_config
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    assert decode_attention.load(tmp_path_factory.mktemp("kernels"))
+    assert library.load(tmp_path_factory.mktemp("kernels"))
     return jax.jit(decode_attention.decode_attention)
 
 
@@ -70,7 +70,7 @@ def test_engine_with_and_without_the_kernel_agree(kernel):
         out = {i: [] for i in range(len(prompts))}
         for update in engine.generate(requests):
             out[update.id] += update.tokens
-        assert engine._attention_kernel() is use
+        assert engine._kernels is use
         tokens[use] = out
     assert tokens[True] == tokens[False]
 
@@ -78,9 +78,9 @@ def test_engine_with_and_without_the_kernel_agree(kernel):
 def test_a_missing_compiler_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(RuntimeError, match="no C.. compiler .'no-such-compiler'"):
-        decode_attention.build(tmp_path)
+        library.build(tmp_path)
 
 
 def test_the_kernel_can_be_switched_off(kernel, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXLLAMA_CPU_KERNELS", "0")
-    assert decode_attention.load(tmp_path) is False
+    assert library.load(tmp_path) is False

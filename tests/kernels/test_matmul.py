@@ -1,0 +1,72 @@
+"""The CPU matmul kernel on packed weights against numpy's products (float64), and `linear` through it against
+`linear` through XLA."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllama.core.model import linear, pack_weights
+from jaxllama.kernels import library, matmul
+from tests.engine.conftest import spread_params, tiny_config
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loaded(tmp_path_factory):
+    assert library.load(tmp_path_factory.mktemp("kernels"))
+
+
+@pytest.mark.parametrize(
+    "rows, n_in, n_out",
+    [
+        (1, 8, 16),  # one row, one panel
+        (3, 40, 17),  # a panel of one column past the first
+        (4, 64, 100),  # rows = one tile; the last panel 4 columns wide
+        (37, 576, 1536),  # SmolLM2's MLP: several blocks of rows and a ragged last tile
+        (64, 1536, 576),  # the MLP's down projection at 64 rows (shared among threads)
+        (130, 96, 33),
+    ],
+)
+def test_matmul_matches_numpy(rows, n_in, n_out):
+    rng = np.random.default_rng(rows + n_in + n_out)
+    x = rng.standard_normal((rows, n_in), np.float32)
+    w = rng.standard_normal((n_out, n_in), np.float32)
+    packed = matmul.pack(jnp.asarray(w))
+    assert packed.panels.shape == (-(-n_out // matmul.PANEL), n_in, matmul.PANEL)
+    got = np.asarray(jax.jit(matmul.matmul)(jnp.asarray(x), packed))
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(n_in))
+
+
+def test_matmul_keeps_leading_dims_and_unflattens_outputs():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 3, 4, 8), np.float32))  # [b, t, heads, head_dim]
+    wo = jnp.asarray(rng.standard_normal((16, 4, 8), np.float32))  # [dim, heads, head_dim]: in_dims=2
+    wq = jnp.asarray(rng.standard_normal((4, 8, 32), np.float32))  # [heads, head_dim, dim]
+    np.testing.assert_allclose(
+        linear(x, matmul.pack(wo, in_dims=2), in_dims=2), linear(x, wo, in_dims=2), rtol=1e-5, atol=1e-5
+    )
+    h = jnp.asarray(rng.standard_normal((2, 3, 32), np.float32))
+    out = linear(h, matmul.pack(wq))
+    assert out.shape == (2, 3, 4, 8)
+    np.testing.assert_allclose(out, linear(h, wq), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pack_weights_packs_every_product_and_the_output(tied):
+    config = tiny_config(tie_embeddings=tied)
+    params = spread_params(config, seed=1)
+    assert ("output" in params) is not tied
+    packed = pack_weights(params, config)
+    kinds = {
+        jax.tree_util.keystr(p): type(w)
+        for p, w in jax.tree_util.tree_leaves_with_path(packed, is_leaf=lambda x: isinstance(x, matmul.Packed))
+    }
+    products = [k for k, t in kinds.items() if t is matmul.Packed]
+    assert len(products) == 7 * config.n_layers + 1  # 7 per layer, and the output
+    assert all("norm" not in k and "embedding" not in k for k in products)
+    assert isinstance(packed["output"], matmul.Packed) and isinstance(packed["embedding"], jax.Array)
