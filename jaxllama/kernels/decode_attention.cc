@@ -105,14 +105,14 @@ extern "C" XLA_FFI_Error* JaxllamaDecodeAttention(XLA_FFI_CallFrame* frame) {
     return Fail(api, "decode_attention: shapes disagree");
 
   const int64_t pairs = qd[0] * qd[1], per_chunk = std::max<int64_t>(1, pairs / 32);
-  auto* job = new Attention((pairs + per_chunk - 1) / per_chunk, per_chunk);
-  job->q = static_cast<const float*>(q->data);
-  job->keys = static_cast<const float*>(keys->data);
-  job->values = static_cast<const float*>(values->data);
-  job->slot_of = static_cast<const int32_t*>(slots->data);
-  job->positions = static_cast<const int32_t*>(positions->data);
-  job->out = static_cast<float*>(result->data);
-  job->s = Shape{qd[0], kd[0], qd[1], qd[2], qd[3], kd[3]};
+  Attention job((pairs + per_chunk - 1) / per_chunk, per_chunk);
+  job.q = static_cast<const float*>(q->data);
+  job.keys = static_cast<const float*>(keys->data);
+  job.values = static_cast<const float*>(values->data);
+  job.slot_of = static_cast<const int32_t*>(slots->data);
+  job.positions = static_cast<const int32_t*>(positions->data);
+  job.out = static_cast<float*>(result->data);
+  job.s = Shape{qd[0], kd[0], qd[1], qd[2], qd[3], kd[3]};
   // Small calls run on this thread alone: handing work to the pool costs more than it saves.
   jaxllama::RunJob(frame, job, pairs * kd[3] >= kMinShared);
   return nullptr;

@@ -101,14 +101,14 @@ extern "C" XLA_FFI_Error* JaxllamaMatmul(XLA_FFI_CallFrame* frame) {
   const int64_t blocks = (rows + kBlock - 1) / kBlock;
   const int64_t per_group = std::max<int64_t>(1, panels * blocks / 64);
   const int64_t groups = (panels + per_group - 1) / per_group;
-  auto* job = new Product(blocks * groups, groups, per_group);
-  job->x = static_cast<const float*>(x->data);
-  job->w = static_cast<const float*>(w->data);
-  job->out = static_cast<float*>(out->data);
-  job->rows = rows;
-  job->k = k;
-  job->n = n;
-  job->panels = panels;
+  Product job(blocks * groups, groups, per_group);
+  job.x = static_cast<const float*>(x->data);
+  job.w = static_cast<const float*>(w->data);
+  job.out = static_cast<float*>(out->data);
+  job.rows = rows;
+  job.k = k;
+  job.n = n;
+  job.panels = panels;
   jaxllama::RunJob(frame, job, rows * k * n >= kMinShared);
   return nullptr;
 }
