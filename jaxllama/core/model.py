@@ -89,11 +89,11 @@ def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str
 # parameters and call the same functions (tracing through Linen's `apply` costs ~2x more per compile).
 
 
-def linear(x: jax.Array, w: jax.Array | Packed, in_dims: int = 1) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | Packed, in_dims: int = 1):
     """x [..., *in] times w [*out, *in] (stored (out, in), `in_dims` trailing dims) -> [..., *out], as one 2-D
     product: XLA:CPU otherwise transposes 3-D attention weights on every call (32x576 @ wq: 0.51 ms
     against 1.26 ms as an einsum over (heads, head_dim, dim)). A weight packed for the CPU kernel
-    (`kernels/matmul.py`) goes through it."""
+    (`kernels/matmul.py`) goes through it; several weights packed as one give a tuple of outputs."""
     lead = x.shape[: x.ndim - in_dims]
     if isinstance(w, Packed):
         return matmul(x.reshape(*lead, -1), w)
@@ -117,9 +117,8 @@ def attention(p, c: ModelConfig, x, positions, cache_k, cache_v, rows=None, kern
     by default row i of x is row i of the cache (n == b). `kernel`: a decode step (t = 1) attends through the
     CPU kernel (`kernels/decode_attention.py`, loaded by the caller; float32, one device) instead of XLA."""
     freqs = rope_frequencies(c)
-    q = apply_rope(linear(x, p["wq"]), positions, freqs)
-    k = apply_rope(linear(x, p["wk"]), positions, freqs)
-    v = linear(x, p["wv"])
+    q, k, v = linear(x, p["wqkv"]) if "wqkv" in p else (linear(x, p[w]) for w in ("wq", "wk", "wv"))
+    q, k = apply_rope(q, positions, freqs), apply_rope(k, positions, freqs)
 
     # Write this call's keys/values at their positions (rows past the cache's end are dropped).
     at = (jnp.arange(x.shape[0]) if rows is None else rows)[:, None]
@@ -164,7 +163,8 @@ def _decode_attention(q, cache_k, cache_v, visible):
 
 
 def mlp(p, x):
-    return linear(jax.nn.silu(linear(x, p["w1"])) * linear(x, p["w3"]), p["w2"])
+    gate, up = linear(x, p["w13"]) if "w13" in p else (linear(x, p["w1"]), linear(x, p["w3"]))
+    return linear(jax.nn.silu(gate) * up, p["w2"])
 
 
 @functools.partial(jax.jit, static_argnums=(1, 7))
@@ -205,20 +205,32 @@ def head(params, c: ModelConfig, x, logits_at=None):
     return linear(x, output).astype(jnp.float32)
 
 
-# Every product's weight, by its name in the params tree, and the trailing dims it contracts (`linear`'s in_dims).
+# Every product's weight, by its name in the params tree, and the trailing dims it contracts (`linear`'s in_dims);
+# the weights that multiply the same input, packed as one product (`wqkv` and `w13` then take their place).
 PRODUCT_IN_DIMS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w1": 1, "w2": 1, "w3": 1, "output": 1}
+FUSED_PRODUCTS = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}
 
 
 def pack_weights(params, c: ModelConfig):
     """params (the whole tree, or the layers' or outer part of it) with every product's weight packed for the CPU
-    matmul kernel (`kernels/matmul.py`), which `linear` then calls; a tied model's embedding is also packed as
-    its `output`. Float32, on one device."""
+    matmul kernel (`kernels/matmul.py`), which `linear` then calls: the weights of one input fused as one product,
+    a tied model's embedding also packed as its `output`. Float32, on one device."""
 
-    def one(path, w):
-        name = path[-1].key if isinstance(path[-1], jax.tree_util.DictKey) else None
-        return pack(w, in_dims=PRODUCT_IN_DIMS[name]) if name in PRODUCT_IN_DIMS else w
+    def walk(node):
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        node = {k: walk(v) for k, v in node.items()}
+        for fused, names in FUSED_PRODUCTS.items():
+            if all(name in node for name in names):
+                node[fused] = pack(*(node.pop(name) for name in names), in_dims=PRODUCT_IN_DIMS[names[0]])
+        for name, in_dims in PRODUCT_IN_DIMS.items():
+            if isinstance(node.get(name), jax.Array):
+                node[name] = pack(node[name], in_dims=in_dims)
+        return node
 
-    packed = jax.tree_util.tree_map_with_path(one, params)
+    packed = walk(params)
     if isinstance(packed, dict) and c.tie_embeddings and "embedding" in packed:
         packed["output"] = pack(packed["embedding"])
     return packed

@@ -20,11 +20,12 @@ PANEL = 16  # output columns per panel (matmul.cc's kPanel)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Packed:
-    """A weight [*out, *in] as panels [ceil(out / PANEL), in, PANEL] of PANEL output columns each (the last
-    zero-padded): each panel is one contiguous stream for the kernel."""
+    """One weight [*out, *in], or several sharing their input dims, as panels [ceil(out / PANEL), in, PANEL] of
+    PANEL output columns each (the last zero-padded): each panel is one contiguous stream for the kernel. Several
+    weights are one product, whose output `matmul` splits again (their out shapes: `out_shapes`)."""
 
     panels: jax.Array
-    out_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+    out_shapes: tuple[tuple[int, ...], ...] = dataclasses.field(metadata={"static": True})
 
     @property
     def dtype(self):
@@ -32,18 +33,22 @@ class Packed:
 
 
 @jax.jit(static_argnames="in_dims")
-def pack(w: jax.Array, in_dims: int = 1) -> Packed:
-    """w [*out, *in] (stored (out, in), `in_dims` trailing dims) -> Packed."""
-    n_in = int(np.prod(w.shape[w.ndim - in_dims :]))
-    out_shape = tuple(w.shape[: w.ndim - in_dims])
-    w = w.reshape(-1, n_in)
+def pack(*weights: jax.Array, in_dims: int = 1) -> Packed:
+    """Weights [*out, *in] (stored (out, in), `in_dims` trailing dims, the same for all) -> Packed."""
+    n_in = int(np.prod(weights[0].shape[weights[0].ndim - in_dims :]))
+    out_shapes = tuple(tuple(w.shape[: w.ndim - in_dims]) for w in weights)
+    w = jnp.concatenate([w.reshape(-1, n_in) for w in weights])
     panels = -(-w.shape[0] // PANEL)
     w = jnp.pad(w, ((0, panels * PANEL - w.shape[0]), (0, 0)))
-    return Packed(w.reshape(panels, PANEL, n_in).transpose(0, 2, 1), out_shape)
+    return Packed(w.reshape(panels, PANEL, n_in).transpose(0, 2, 1), out_shapes)
 
 
-def matmul(x: jax.Array, w: Packed) -> jax.Array:
-    """x [..., in] @ the packed weight -> [..., *out], float32."""
-    n_out = int(np.prod(w.out_shape))
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], n_out), x.dtype))(x, w.panels)
-    return out.reshape(*x.shape[:-1], *w.out_shape)
+def matmul(x: jax.Array, w: Packed) -> jax.Array | tuple[jax.Array, ...]:
+    """x [..., in] @ the packed weight -> [..., *out], or a tuple of them for several weights packed as one."""
+    sizes = [int(np.prod(shape)) for shape in w.out_shapes]
+    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((*x.shape[:-1], sum(sizes)), x.dtype))(x, w.panels)
+    lead = x.shape[:-1]
+    if len(sizes) == 1:
+        return out.reshape(*lead, *w.out_shapes[0])
+    parts = jnp.split(out, np.cumsum(sizes)[:-1], axis=-1)
+    return tuple(part.reshape(*lead, *shape) for part, shape in zip(parts, w.out_shapes, strict=True))

@@ -67,6 +67,16 @@ def test_pack_weights_packs_every_product_and_the_output(tied):
         for p, w in jax.tree_util.tree_leaves_with_path(packed, is_leaf=lambda x: isinstance(x, matmul.Packed))
     }
     products = [k for k, t in kinds.items() if t is matmul.Packed]
-    assert len(products) == 7 * config.n_layers + 1  # 7 per layer, and the output
+    assert len(products) == 4 * config.n_layers + 1  # wqkv, wo, w13 and w2 per layer, and the output
     assert all("norm" not in k and "embedding" not in k for k in products)
     assert isinstance(packed["output"], matmul.Packed) and isinstance(packed["embedding"], jax.Array)
+
+
+def test_weights_packed_as_one_product_are_split_again():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((5, 7, 24), np.float32))
+    weights = [jnp.asarray(rng.standard_normal(shape, np.float32)) for shape in [(4, 6, 24), (2, 6, 24), (3, 24)]]
+    parts = linear(x, matmul.pack(*weights))
+    assert [p.shape for p in parts] == [(5, 7, 4, 6), (5, 7, 2, 6), (5, 7, 3)]
+    for got, w in zip(parts, weights, strict=True):
+        np.testing.assert_allclose(got, linear(x, w), rtol=1e-5, atol=1e-4)
