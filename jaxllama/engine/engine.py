@@ -169,8 +169,7 @@ class Engine:
         self._rows = named_sharding(mesh, config, ("batch",))
         self._seeds = random.Random(agreed_seed())  # for requests without a seed: the same on every process
         # The params outside the layers (embedding, final norm, output), and the layers' in runs of
-        # `layers_per_program`.
-        # Packed, for the CPU kernels, their weights take the place of these.
+        # `layers_per_program`; for the CPU kernels, with their products' weights packed (`pack_weights`).
         self._outer = {k: v for k, v in params.items() if not k.startswith("layers_")}
         n = config.n_layers
         if not isinstance(layers_per_program, int) or layers_per_program < 1:
@@ -335,7 +334,7 @@ class Engine:
         sampling = SamplingRows(**SamplingRows.from_params(params, seeds))
         max_tokens = np.array([p.max_tokens for p in params], np.int32)
         limits = np.full(n, self.max_context, np.int32)
-        flags = SamplerFlags.of(params)
+        flags = SamplerFlags.of(params) | SamplerFlags(kernel=self._kernels)
         seen = np.zeros((n, self.config.vocab_size if flags.penalize else 1), bool)
         if flags.penalize:
             for i, (r, *_) in enumerate(rows):
@@ -382,7 +381,7 @@ class Engine:
     def _decode(self) -> list[Update]:
         n_steps = self.decode_steps
         self._ensure_cache(max(s.length + s.generated for s in self.active.values()) + n_steps)
-        flags = SamplerFlags()
+        flags = SamplerFlags(kernel=self._kernels)
         for s in self.active.values():
             flags = flags | SamplerFlags.of([s.request.params])
         columns = self._decode_rows()

@@ -13,6 +13,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxllama.kernels.row_stats import row_stats
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -118,6 +120,7 @@ class SamplerFlags:
     full: bool = False  # some row samples from the whole vocabulary (temperature > 0, no top_k/top_p)
     filter: bool = False  # some row samples with top_k or top_p (among the CANDIDATES most likely tokens)
     penalize: bool = False  # some row uses a penalty
+    kernel: bool = False  # an all-greedy batch takes its tokens and log-normalizers from the CPU kernel
 
     @property
     def sample(self) -> bool:
@@ -133,7 +136,8 @@ class SamplerFlags:
         )
 
     def __or__(self, other: SamplerFlags) -> SamplerFlags:
-        return SamplerFlags(self.full or other.full, self.filter or other.filter, self.penalize or other.penalize)
+        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
+        return SamplerFlags(*(a or b for a, b in pairs))
 
 
 # top_k / top_p rows choose among this many most likely tokens: a full sort of the vocabulary costs ~100x
@@ -167,6 +171,9 @@ def sample(logits, rows: SamplingRows, step, flags: SamplerFlags, counts=None, s
     """
     if flags.penalize:
         logits = apply_penalties(logits, rows, counts, seen)
+    if flags.kernel and not flags.sample:  # kernels/row_stats.py: one pass over the logits, on every thread
+        greedy, top, logz = row_stats(logits)
+        return greedy, top - logz
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not flags.sample:
         return greedy, _logprob_of(logits, greedy)

@@ -19,13 +19,17 @@ from pathlib import Path
 
 import jax
 
-from jaxllama.kernels import decode_attention, matmul
+from jaxllama.kernels import decode_attention, matmul, row_stats
 
 HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("*.cc"))
 HEADERS = sorted(HERE.glob("*.h"))
 # FFI target -> the library's handler. -ffp-contract=fast: multiply-adds as FMA instructions.
-TARGETS = {decode_attention.TARGET: "JaxllamaDecodeAttention", matmul.TARGET: "JaxllamaMatmul"}
+TARGETS = {
+    decode_attention.TARGET: "JaxllamaDecodeAttention",
+    matmul.TARGET: "JaxllamaMatmul",
+    row_stats.TARGET: "JaxllamaRowStats",
+}
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
 
 log = logging.getLogger(__name__)

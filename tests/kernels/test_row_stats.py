@@ -1,0 +1,58 @@
+"""The CPU row-stats kernel (argmax, max, logsumexp per row) against numpy, and greedy sampling through it against
+sampling through XLA."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllama.engine.sampling import SamplerFlags, SamplingParams, SamplingRows, sample
+from jaxllama.kernels import library
+from jaxllama.kernels.row_stats import row_stats
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
+
+
+def logsumexp(x, axis):
+    top = x.max(axis=axis, keepdims=True)
+    return (top + np.log(np.exp(x - top).sum(axis=axis, keepdims=True))).squeeze(axis)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loaded(tmp_path_factory):
+    assert library.load(tmp_path_factory.mktemp("kernels"))
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 5), (3, 8), (37, 1003), (64, 49152)])
+def test_row_stats_match_numpy(rows, vocab):
+    rng = np.random.default_rng(rows * vocab)
+    logits = (rng.standard_normal((rows, vocab)) * 8).astype(np.float32)
+    logits[0, -1] = 200.0  # the maximum in the tail past the last whole vector
+    if rows > 1:
+        logits[1, :] = -1e4  # every token ties: the first wins
+        logits[1, 3 % vocab] = -50.0  # and the rest underflow against it
+    argmax, top, logz = jax.jit(row_stats)(jnp.asarray(logits))
+    np.testing.assert_array_equal(argmax, np.argmax(logits, axis=-1))
+    np.testing.assert_array_equal(top, logits.max(axis=-1))
+    np.testing.assert_allclose(logz, logsumexp(logits.astype(np.float64), axis=-1), rtol=1e-6, atol=1e-5)
+
+
+def test_ties_go_to_the_first_maximum():
+    logits = np.zeros((2, 20), np.float32)
+    logits[0, [4, 9, 17]] = 1.0
+    argmax, _, logz = jax.jit(row_stats)(jnp.asarray(logits))
+    assert argmax.tolist() == [4, 0]
+    np.testing.assert_allclose(logz[1], np.log(20.0), rtol=1e-6)
+
+
+def test_greedy_sampling_through_the_kernel_matches_xla():
+    rng = np.random.default_rng(7)
+    logits = jnp.asarray(rng.standard_normal((6, 300)).astype(np.float32) * 3)
+    rows = SamplingRows(**SamplingRows.from_params([SamplingParams(temperature=0.0)] * 6, [0] * 6))
+    step = jnp.zeros(6, jnp.int32)
+    plain = sample(logits, rows, step, SamplerFlags())
+    kernel = sample(logits, rows, step, SamplerFlags(kernel=True))
+    np.testing.assert_array_equal(kernel[0], plain[0])
+    np.testing.assert_allclose(kernel[1], plain[1], rtol=1e-5, atol=1e-5)
