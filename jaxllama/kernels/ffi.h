@@ -12,6 +12,7 @@
 #include <thread>
 
 #include <sched.h>
+#include <unistd.h>
 
 #include "xla/ffi/api/c_api.h"
 
@@ -90,7 +91,7 @@ class Helpers {
   // Runs every chunk of `job`, with the helpers' help unless another call has them.
   void Run(Job& job) {
     std::unique_lock<std::mutex> mine(busy_, std::try_to_lock);
-    if (!mine.owns_lock() || count_ == 0) return job.Drain();
+    if (!mine.owns_lock() || count_ == 0 || getpid() != pid_) return job.Drain();  // in a fork: no helpers
     current_.store(&job);
     {
       std::lock_guard<std::mutex> lock(sleep_);
@@ -106,7 +107,7 @@ class Helpers {
  private:
   static constexpr auto kSpin = std::chrono::microseconds(500);
 
-  explicit Helpers(int64_t count) : count_(count > 0 ? count : 0) {
+  explicit Helpers(int64_t count) : count_(count > 0 ? count : 0), pid_(getpid()) {
     for (int64_t i = 0; i < count_; ++i) std::thread([this] { Loop(); }).detach();
   }
 
@@ -132,6 +133,7 @@ class Helpers {
   }
 
   const int64_t count_;
+  const pid_t pid_;  // the process whose helpers these are
   std::mutex busy_, sleep_;
   std::condition_variable wake_;
   std::atomic<Job*> current_{nullptr};
