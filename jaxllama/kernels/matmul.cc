@@ -11,12 +11,13 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;   // output columns per panel: two 8-float vectors
+using jaxllama::kLanes;
+using jaxllama::Vec;
+
+constexpr int64_t kPanel = 2 * kLanes;  // output columns per panel: two vectors
 constexpr int64_t kTile = 4;     // rows per tile: 4 x 2 vector accumulators, 2 weight vectors, 1 broadcast
 constexpr int64_t kBlock = 48;   // rows whose inputs stay in cache (L2) while the panels stream past them
 constexpr int64_t kMinShared = 1 << 20;  // rows x in x out below which one thread does it all
-
-typedef float Vec __attribute__((vector_size(32)));  // GCC/Clang vectors: AVX, NEON or scalar code per target
 
 // out[rows, kPanel] (stride ldo) = x[rows, k] (stride ldx) @ panel[k, kPanel]; `width` <= kPanel columns stored.
 template <int kRows>
@@ -25,7 +26,7 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t k, float* out
   for (int64_t p = 0; p < k; ++p) {
     Vec w0, w1;
     std::memcpy(&w0, panel + p * kPanel, sizeof(Vec));
-    std::memcpy(&w1, panel + p * kPanel + 8, sizeof(Vec));
+    std::memcpy(&w1, panel + p * kPanel + kLanes, sizeof(Vec));
     for (int i = 0; i < kRows; ++i) {
       const float s = x[i * ldx + p];
       const Vec a = {s, s, s, s, s, s, s, s};  // a broadcast (`Vec{} + s` would also add a zero)
@@ -36,11 +37,11 @@ void Tile(const float* x, int64_t ldx, const float* panel, int64_t k, float* out
   for (int i = 0; i < kRows; ++i) {
     if (width == kPanel) {
       std::memcpy(out + i * ldo, &acc[i][0], sizeof(Vec));
-      std::memcpy(out + i * ldo + 8, &acc[i][1], sizeof(Vec));
+      std::memcpy(out + i * ldo + kLanes, &acc[i][1], sizeof(Vec));
     } else {  // the last panel of an output whose width is not a multiple of kPanel
       float row[kPanel];
       std::memcpy(row, &acc[i][0], sizeof(Vec));
-      std::memcpy(row + 8, &acc[i][1], sizeof(Vec));
+      std::memcpy(row + kLanes, &acc[i][1], sizeof(Vec));
       std::memcpy(out + i * ldo, row, width * sizeof(float));
     }
   }

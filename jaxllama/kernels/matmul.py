@@ -27,10 +27,6 @@ class Packed:
     panels: jax.Array
     out_shapes: tuple[tuple[int, ...], ...] = dataclasses.field(metadata={"static": True})
 
-    @property
-    def dtype(self):
-        return self.panels.dtype
-
 
 @jax.jit(static_argnames="in_dims")
 def pack(*weights: jax.Array, in_dims: int = 1) -> Packed:

@@ -11,10 +11,10 @@
 
 namespace {
 
-typedef float Vec __attribute__((vector_size(32)));
+using jaxllama::kLanes;
+using jaxllama::Vec;
 typedef int32_t Ints __attribute__((vector_size(32)));
 typedef uint32_t UInts __attribute__((vector_size(32)));
-constexpr int kLanes = 8;
 constexpr int64_t kMinShared = 1 << 16;  // rows x vocab below which one thread does it all
 
 // e^x for x <= 0, lane by lane: 2^n x e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its degree-6 Taylor
