@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxllama.core.config import ModelConfig
 from jaxllama.kernels.decode_attention import decode_attention
-from jaxllama.kernels.matmul import Packed, matmul, pack
+from jaxllama.kernels.matmul import Packed, matmul, pack, pack_gated
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v); see `cache_shapes`
 
@@ -69,10 +69,17 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
     return freqs.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, freqs: np.ndarray) -> jax.Array:
-    """Rotate pairs (2i, 2i+1) of x [batch, time, heads, head_dim] by positions [batch, time] * freqs."""
-    angles = positions[:, :, None, None].astype(jnp.float32) * freqs  # [b, t, 1, d/2]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+def rope_angles(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [batch, time, 1, head_dim/2] of positions [batch, time] times the rotary frequencies. Computed
+    once for all the layers of a program, and best passed in from another: XLA fuses a sine computed in the same
+    program into the rotation of each layer, where it computes it for every element of every head."""
+    angles = positions[:, :, None, None].astype(jnp.float32) * rope_frequencies(config)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotate pairs (2i, 2i+1) of x [batch, time, heads, head_dim] by the angles `rope_angles` gives as (cos, sin)."""
+    cos, sin = rope
     pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
@@ -109,16 +116,15 @@ def rms_norm(p, x: jax.Array, eps: float) -> jax.Array:
     return (normed * p["scale"].astype(jnp.float32)).astype(x.dtype)
 
 
-def attention(p, c: ModelConfig, x, positions, cache_k, cache_v, rows=None, kernel=False):
-    """x [b, t, dim], positions [b, t]; cache_k [n, kv_heads, head_dim, s], cache_v [n, kv_heads, s, head_dim]
-    -> (out, cache_k, cache_v).
+def attention(p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None, kernel=False):
+    """x [b, t, dim], positions [b, t] and their `rope_angles`; cache_k [n, kv_heads, head_dim, s], cache_v
+    [n, kv_heads, s, head_dim] -> (out, cache_k, cache_v).
 
     `rows` [b] (optional): the cache row of each x row (n may then exceed b; an index >= n writes nothing);
     by default row i of x is row i of the cache (n == b). `kernel`: a decode step (t = 1) attends through the
     CPU kernel (`kernels/decode_attention.py`, loaded by the caller; float32, one device) instead of XLA."""
-    freqs = rope_frequencies(c)
     q, k, v = linear(x, p["wqkv"]) if "wqkv" in p else (linear(x, p[w]) for w in ("wq", "wk", "wv"))
-    q, k = apply_rope(q, positions, freqs), apply_rope(k, positions, freqs)
+    q, k = apply_rope(q, rope), apply_rope(k, rope)
 
     # Write this call's keys/values at their positions (rows past the cache's end are dropped).
     at = (jnp.arange(x.shape[0]) if rows is None else rows)[:, None]
@@ -163,16 +169,17 @@ def _decode_attention(q, cache_k, cache_v, visible):
 
 
 def mlp(p, x):
-    gate, up = linear(x, p["w13"]) if "w13" in p else (linear(x, p["w1"]), linear(x, p["w3"]))
-    return linear(jax.nn.silu(gate) * up, p["w2"])
+    if "w13" in p:  # gate and up packed as one gated product (`pack_weights`): the kernel applies silu(gate) * up
+        return linear(linear(x, p["w13"]), p["w2"])
+    return linear(jax.nn.silu(linear(x, p["w1"])) * linear(x, p["w3"]), p["w2"])
 
 
-@functools.partial(jax.jit, static_argnums=(1, 7))
-def block(p, c: ModelConfig, x, positions, cache_k, cache_v, rows=None, kernel=False):
+@functools.partial(jax.jit, static_argnums=(1, 8))
+def block(p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None, kernel=False):
     """One decoder layer. Jitted on its own so that tracing a model traces one layer, not n_layers of
     them (the outer jit inlines it: the compiled program is the same)."""
     h, cache_k, cache_v = attention(
-        p["attention"], c, rms_norm(p["attention_norm"], x, c.norm_eps), positions, cache_k, cache_v, rows, kernel
+        p["attention"], c, rms_norm(p["attention_norm"], x, c.norm_eps), positions, rope, cache_k, cache_v, rows, kernel
     )
     x = x + h
     x = x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, c.norm_eps))
@@ -184,12 +191,13 @@ def embed(params, tokens):
     return jnp.take(params["embedding"], tokens, axis=0)
 
 
-def layers(layer_params: list, c: ModelConfig, x, positions, cache: KVCache, rows=None, kernel=False):
+def layers(layer_params: list, c: ModelConfig, x, positions, cache: KVCache, rows=None, kernel=False, rope=None):
     """Consecutive decoder layers (their params and caches in order): x -> (x, cache). The engine runs a
-    model as a few of these programs in turn (see `engine/step.py`); `kernel` as in `attention`."""
-    new_cache = []
+    model as a few of these programs in turn (see `engine/step.py`); `kernel` as in `attention`; `rope`: the
+    positions' `rope_angles`, if computed already."""
+    new_cache, rope = [], rope_angles(positions, c) if rope is None else rope
     for p, (k, v) in zip(layer_params, cache, strict=True):
-        x, k, v = block(p, c, x, positions, k, v, rows, kernel)
+        x, k, v = block(p, c, x, positions, rope, k, v, rows, kernel)
         new_cache.append((k, v))
     return x, new_cache
 
@@ -206,15 +214,18 @@ def head(params, c: ModelConfig, x, logits_at=None):
 
 
 # Every product's weight, by its name in the params tree, and the trailing dims it contracts (`linear`'s in_dims);
-# the weights that multiply the same input, packed as one product (`wqkv` and `w13` then take their place).
+# the weights that multiply the same input, packed as one product (`wqkv` then takes their place), and the MLP's
+# gate and up projections, packed as one gated product (`w13`).
 PRODUCT_IN_DIMS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w1": 1, "w2": 1, "w3": 1, "output": 1}
-FUSED_PRODUCTS = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}
+FUSED_PRODUCTS = {"wqkv": ("wq", "wk", "wv")}
+GATED_PRODUCTS = {"w13": ("w1", "w3")}
 
 
 def pack_weights(params, c: ModelConfig):
     """params (the whole tree, or the layers' or outer part of it) with every product's weight packed for the CPU
     matmul kernel (`kernels/matmul.py`), which `linear` then calls: the weights of one input fused as one product,
-    a tied model's embedding also packed as its `output`. Float32, on one device."""
+    the MLP's gate and up as one gated product, a tied model's embedding also packed as its `output`. Float32, on
+    one device."""
 
     def walk(node):
         if isinstance(node, list):
@@ -225,6 +236,9 @@ def pack_weights(params, c: ModelConfig):
         for fused, names in FUSED_PRODUCTS.items():
             if all(name in node for name in names):
                 node[fused] = pack(*(node.pop(name) for name in names), in_dims=PRODUCT_IN_DIMS[names[0]])
+        for gated, names in GATED_PRODUCTS.items():
+            if all(name in node for name in names):
+                node[gated] = pack_gated(*(node.pop(name) for name in names))
         for name, in_dims in PRODUCT_IN_DIMS.items():
             if isinstance(node.get(name), jax.Array):
                 node[name] = pack(node[name], in_dims=in_dims)

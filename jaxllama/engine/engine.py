@@ -344,8 +344,9 @@ class Engine:
         tokens, starts, lengths_d, sources, slot_ids, seen, sampling, max_tokens, limits, stop_ids = self._put(
             (tokens, starts, lengths, sources, slot_ids, seen, sampling, max_tokens, limits, stop_ids)
         )
-        x, positions = self._run("prefill_inputs", prefill_inputs, (self._outer, tokens, starts))
-        x = self._prefill_layers(x, positions, sources, slot_ids, span, fresh)
+        inputs = functools.partial(prefill_inputs, config=self.config)
+        x, positions, rope = self._run("prefill_inputs", inputs, (self._outer, tokens, starts))
+        x = self._prefill_layers(x, positions, rope, sources, slot_ids, span, fresh)
         if warm:  # only the caches: no token to sample
             jax.block_until_ready(x)
         else:
@@ -390,12 +391,13 @@ class Engine:
         slots, keep, kept = self._put(
             (None if len(columns) == self.slots else np.array(columns, np.int32), self._keep, np.ones(self.slots, bool))
         )
+        inputs_fn = functools.partial(decode_inputs, config=self.config)
         layers_fn = functools.partial(decode_layers, config=self.config, kernel=self._kernels)
         outputs_fn = functools.partial(decode_outputs, config=self.config, flags=flags)
         steps = []
         for _ in range(n_steps):  # no host round trip between steps: each reads the last one's state on device
-            x, positions = self._run("decode_inputs", decode_inputs, (self._outer, self.state, slots))
-            x = self._decode_layers(layers_fn, x, positions, slots)
+            x, positions, rope = self._run("decode_inputs", inputs_fn, (self._outer, self.state, slots))
+            x = self._decode_layers(layers_fn, x, positions, rope, slots)
             args = (self._outer, self.state, keep, x, slots)
             self.state, *out = self._run("decode_outputs", outputs_fn, args, flags, donate=1)
             steps.append(out)
@@ -538,15 +540,15 @@ class Engine:
     def _put(self, xs):
         return jax.tree.map(lambda x: _global(np.asarray(x), self._replicated), xs)
 
-    def _decode_layers(self, fn, x, positions, slots):
+    def _decode_layers(self, fn, x, positions, rope, slots):
         """Every layer of a decode step, one program call per run of layers; each call updates its layers' cache."""
         for (a, b), params in zip(self._runs, self._run_params, strict=True):
-            args = (params, x, positions, self.cache[a:b], slots)
+            args = (params, x, positions, rope, self.cache[a:b], slots)
             out = (self._activations, [self._cache_sharding] * (b - a))
-            x, self.cache[a:b] = self._run("decode_layers", fn, args, donate=3, out=out)
+            x, self.cache[a:b] = self._run("decode_layers", fn, args, donate=4, out=out)
         return x
 
-    def _prefill_layers(self, x, positions, sources, slots, span: int, fresh: bool):
+    def _prefill_layers(self, x, positions, rope, sources, slots, span: int, fresh: bool):
         """Every layer of a prefill, a run of layers at a time (`step.prefill_layers`): the rows' caches start empty
         (`fresh`) or as copies of the first `span` positions of slots `sources`, and end in slots `slots`."""
         take = functools.partial(kvcache.take_rows, span=span)
@@ -556,7 +558,7 @@ class Engine:
             caches = [self._cache_sharding] * (b - a)
             rows = None if fresh else self._run("prefill_take", take, (self.cache[a:b], sources), span, out=caches)
             out = (self._activations, caches)
-            x, rows = self._run("prefill_layers", run_layers, (params, x, positions, rows), out=out)
+            x, rows = self._run("prefill_layers", run_layers, (params, x, positions, rope, rows), out=out)
             self.cache[a:b] = self._run("prefill_put", put, (self.cache[a:b], rows, slots), span, donate=0, out=caches)
         return x
 

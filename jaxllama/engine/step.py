@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllama.core.config import ModelConfig
-from jaxllama.core.model import KVCache, cache_shapes, embed, head, layers
+from jaxllama.core.model import KVCache, cache_shapes, embed, head, layers, rope_angles
 from jaxllama.engine.sampling import SamplerFlags, SamplingRows, sample
 
 
@@ -71,20 +71,24 @@ def _advance(state: DecodeState, tokens, was_active, penalties: bool):
     )
 
 
-def decode_inputs(params, state: DecodeState, slots=None):
-    """A decode step's inputs: the next token of each row, embedded [b, 1, dim], and its position [b, 1]. slots
-    [b] int32 (optional): run only these slots (an index >= s pads the batch), so that a few active
-    sequences do not pay for all s rows."""
+def decode_inputs(params, state: DecodeState, slots=None, *, config: ModelConfig):
+    """A decode step's inputs: the next token of each row, embedded [b, 1, dim], its position [b, 1] and that
+    position's `rope_angles` (computed here once for all the step's layer programs). slots [b] int32 (optional):
+    run only these slots (an index >= s pads the batch), so that a few active sequences do not pay for all s
+    rows."""
     tokens, positions = state.tokens, state.positions
     if slots is not None:
         tokens, positions = (jnp.take(x, slots, axis=0, mode="clip") for x in (tokens, positions))
-    return embed(params, tokens[:, None]), positions[:, None]
+    positions = positions[:, None]
+    return embed(params, tokens[:, None]), positions, rope_angles(positions, config)
 
 
-def decode_layers(layer_params, x, positions, cache: KVCache, slots=None, *, config: ModelConfig, kernel: bool = False):
+def decode_layers(
+    layer_params, x, positions, rope, cache: KVCache, slots=None, *, config: ModelConfig, kernel: bool = False
+):
     """Some consecutive layers of a decode step; each row reads and writes its slot's row of their cache. `kernel`:
     attention through the CPU kernel (`model.attention`)."""
-    return layers(layer_params, config, x, positions, cache, rows=slots, kernel=kernel)
+    return layers(layer_params, config, x, positions, cache, rows=slots, kernel=kernel, rope=rope)
 
 
 def decode_outputs(params, state: DecodeState, keep, x, slots=None, *, config: ModelConfig, flags: SamplerFlags):
@@ -119,13 +123,14 @@ def _scatter(state: DecodeState, rows: DecodeState, slots, penalties: bool) -> D
     return dataclasses.replace(new, **kept)
 
 
-def prefill_inputs(params, tokens, starts):
-    """A prefill's inputs: prompt tokens [n, q] (padded) embedded [n, q, dim], and their positions [n, q]
-    (row i starts at starts[i])."""
-    return embed(params, tokens), starts[:, None] + jnp.arange(tokens.shape[1])[None, :]
+def prefill_inputs(params, tokens, starts, *, config: ModelConfig):
+    """A prefill's inputs: prompt tokens [n, q] (padded) embedded [n, q, dim], their positions [n, q] (row i
+    starts at starts[i]) and the positions' `rope_angles`."""
+    positions = starts[:, None] + jnp.arange(tokens.shape[1])[None, :]
+    return embed(params, tokens), positions, rope_angles(positions, config)
 
 
-def prefill_layers(layer_params, x, positions, rows: KVCache | None, *, config: ModelConfig):
+def prefill_layers(layer_params, x, positions, rope, rows: KVCache | None, *, config: ModelConfig):
     """Some consecutive layers of a prefill, over the rows' own caches: `rows` per layer holds, for each of the n
     rows, the first `span` positions of a slot that already computed a prefix of its prompt (`kvcache.take_rows`),
     or is None for prompts computed from their start (span = x's length). Returns (x, rows with the new tokens'
@@ -135,7 +140,7 @@ def prefill_layers(layer_params, x, positions, rows: KVCache | None, *, config: 
     if rows is None:
         shapes = cache_shapes(config, x.shape[0], x.shape[1])
         rows = [tuple(jnp.zeros(shape, x.dtype) for shape in shapes)] * len(layer_params)
-    return layers(layer_params, config, x, positions, rows)
+    return layers(layer_params, config, x, positions, rows, rope=rope)
 
 
 def prefill_last(x, lengths):

@@ -1,4 +1,4 @@
-// What the CPU kernels share: a vector type, the XLA FFI's C API handshake and errors, and work split in chunks over the caller's
+// What the CPU kernels share: the XLA FFI's C API handshake and errors, and work split in chunks over the caller's
 // thread and helper threads. Written against the FFI's C API alone (xla/ffi/api/c_api.h), which builds in about a
 // second where the C++ FFI headers take six.
 #pragma once
@@ -17,10 +17,6 @@
 #include "xla/ffi/api/c_api.h"
 
 namespace jaxllama {
-
-// Eight floats as one value: GCC/Clang vector extensions, compiled to AVX, NEON or scalar code per target.
-typedef float Vec __attribute__((vector_size(32)));
-constexpr int kLanes = 8;
 
 inline XLA_FFI_Error* Fail(const XLA_FFI_Api* api, const char* message) {
   XLA_FFI_Error_Create_Args args;

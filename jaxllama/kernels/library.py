@@ -28,6 +28,7 @@ HEADERS = sorted(HERE.glob("*.h"))
 TARGETS = {
     decode_attention.TARGET: "JaxllamaDecodeAttention",
     matmul.TARGET: "JaxllamaMatmul",
+    matmul.GATED_TARGET: "JaxllamaGatedMatmul",
     row_stats.TARGET: "JaxllamaRowStats",
 }
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")

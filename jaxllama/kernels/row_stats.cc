@@ -8,35 +8,14 @@
 #include <limits>
 
 #include "ffi.h"
+#include "vec.h"
 
 namespace {
 
+using jaxllama::Exp;
 using jaxllama::kLanes;
 using jaxllama::Vec;
-typedef int32_t Ints __attribute__((vector_size(32)));
-typedef uint32_t UInts __attribute__((vector_size(32)));
 constexpr int64_t kMinShared = 1 << 16;  // rows x vocab below which one thread does it all
-
-// e^x for x <= 0, lane by lane: 2^n x e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its degree-6 Taylor
-// polynomial (relative error below 2.2e-7); below -87.3, e^-87.3 (~1e-38: nothing, next to the maximum's 1).
-Vec Exp(Vec x) {
-  const Vec lo = Vec{} - 87.3f;
-  x = x < lo ? lo : x;
-  const Vec n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f), Ints),
-                                        Vec);
-  const Vec r = x - n * 0.693145752f - n * 1.42860677e-6f;  // ln 2 in two parts, for an exact reduction
-  Vec p = Vec{} + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const UInts bits = __builtin_convertvector(__builtin_convertvector(n, Ints) + 127, UInts) << 23;  // 2^n
-  Vec scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 struct RowStats : jaxllama::Job {
   RowStats(int64_t rows, int64_t per_chunk) : Job((rows + per_chunk - 1) / per_chunk), per_chunk(per_chunk) {}

@@ -67,7 +67,8 @@ def test_pack_weights_packs_every_product_and_the_output(tied):
         for p, w in jax.tree_util.tree_leaves_with_path(packed, is_leaf=lambda x: isinstance(x, matmul.Packed))
     }
     products = [k for k, t in kinds.items() if t is matmul.Packed]
-    assert len(products) == 4 * config.n_layers + 1  # wqkv, wo, w13 and w2 per layer, and the output
+    assert len(products) == 4 * config.n_layers + 1  # wqkv, wo, w13 (gated) and w2 per layer, and the output
+    assert all(packed[f"layers_{i}"]["mlp"]["w13"].gated for i in range(config.n_layers))
     assert all("norm" not in k and "embedding" not in k for k in products)
     assert isinstance(packed["output"], matmul.Packed) and isinstance(packed["embedding"], jax.Array)
 
@@ -80,3 +81,28 @@ def test_weights_packed_as_one_product_are_split_again():
     assert [p.shape for p in parts] == [(5, 7, 4, 6), (5, 7, 2, 6), (5, 7, 3)]
     for got, w in zip(parts, weights, strict=True):
         np.testing.assert_allclose(got, linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows, n_in, hidden", [(1, 8, 8), (5, 24, 13), (37, 576, 1536), (64, 1536, 100)])
+def test_gated_matmul_matches_numpy(rows, n_in, hidden):
+    rng = np.random.default_rng(rows + hidden)
+    x = rng.standard_normal((rows, n_in), np.float32)
+    gate, up = (rng.standard_normal((hidden, n_in), np.float32) for _ in range(2))
+    packed = matmul.pack_gated(jnp.asarray(gate), jnp.asarray(up))
+    assert packed.gated and packed.panels.shape == (-(-hidden // 8), n_in, matmul.PANEL)
+    got = np.asarray(jax.jit(matmul.matmul)(jnp.asarray(x), packed))
+    g, u = (x.astype(np.float64) @ w.astype(np.float64).T for w in (gate, up))
+    want = g / (1 + np.exp(-g)) * u
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * n_in)
+
+
+def test_gated_matmul_saturates_without_overflow():
+    """Gate values far past exp's range give silu(g) = g (large g) and 0 (very negative g), not inf or NaN."""
+    gate = np.array([[1.0], [-1.0], [0.0], [1e-3], [-1e-3], [0.5], [-20.0], [20.0]], np.float32)
+    packed = matmul.pack_gated(jnp.asarray(gate), jnp.ones_like(jnp.asarray(gate)))  # up = x
+    for scale in (1.0, 200.0, 1e15):
+        g = gate[:, 0].astype(np.float64) * scale
+        silu = np.where(g >= 0, g / (1 + np.exp(-np.abs(g))), g * np.exp(-np.abs(g)) / (1 + np.exp(-np.abs(g))))
+        got = np.asarray(matmul.matmul(jnp.full((1, 1), scale, jnp.float32), packed))[0]
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, silu * scale, rtol=1e-6, atol=1e-30)

@@ -1,0 +1,44 @@
+// Vectors of eight floats and the little math the kernels do on them: GCC/Clang vector extensions, compiled to AVX,
+// NEON or scalar code per target.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace jaxllama {
+
+typedef float Vec __attribute__((vector_size(32)));
+typedef int32_t Ints __attribute__((vector_size(32)));
+typedef uint32_t UInts __attribute__((vector_size(32)));
+constexpr int kLanes = 8;
+
+// e^x for x <= 0, lane by lane: 2^n x e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its degree-6 Taylor
+// polynomial (relative error below 2.2e-7); below -87.3 (e^-87.3 ~ 1e-38, the smallest normal float), 0.
+inline Vec Exp(Vec x) {
+  const Vec lo = Vec{} - 87.3f;
+  const auto tiny = x < lo;
+  x = tiny ? lo : x;
+  const Vec n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f), Ints),
+                                        Vec);
+  const Vec r = x - n * 0.693145752f - n * 1.42860677e-6f;  // ln 2 in two parts, for an exact reduction
+  Vec p = Vec{} + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const UInts bits = __builtin_convertvector(__builtin_convertvector(n, Ints) + 127, UInts) << 23;  // 2^n
+  Vec scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return tiny ? Vec{} : p * scale;
+}
+
+// silu(g) x u = g / (1 + e^-g) x u, lane by lane, through e^-|g| (which `Exp` takes): for g < 0 the sigmoid is
+// e^g / (1 + e^g), which neither overflows nor loses the small values.
+inline Vec SiluTimes(Vec g, Vec u) {
+  const Vec t = Exp(g < 0 ? g : -g);
+  return g * (g < 0 ? t : Vec{} + 1.0f) / (1.0f + t) * u;
+}
+
+}  // namespace jaxllama
