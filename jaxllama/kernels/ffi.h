@@ -3,10 +3,12 @@
 // second where the C++ FFI headers take six.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -142,10 +144,12 @@ class Helpers {
 };
 
 // Runs every chunk of `job` and returns when all are done: on this thread alone unless `share`, else also on the
-// helpers, as many as XLA's pool has threads, less this one.
+// helpers, as many as XLA's pool has threads (or $JAXLLAMA_KERNEL_THREADS, if fewer: where a CPU quota is below
+// the cores the process sees, spinning helpers would spend it), less this one.
 inline void RunJob(XLA_FFI_CallFrame* frame, Job& job, bool share) {
   if (!share) return job.Drain();
   static const int64_t threads = [frame] {
+    const char* limit = std::getenv("JAXLLAMA_KERNEL_THREADS");
     const XLA_FFI_Api* api = frame->api;
     int64_t n = 0;
     XLA_FFI_ThreadPool_NumThreads_Args count;
@@ -157,7 +161,7 @@ inline void RunJob(XLA_FFI_CallFrame* frame, Job& job, bool share) {
       Discard(api, error);
       n = 0;
     }
-    return n;
+    return limit && *limit ? std::min<int64_t>(n, std::atoll(limit)) : n;
   }();
   Helpers::Get(threads).Run(job);
 }

@@ -13,6 +13,7 @@
 namespace {
 
 using jaxllama::Exp;
+using jaxllama::Ints;
 using jaxllama::kLanes;
 using jaxllama::Vec;
 constexpr int64_t kMinShared = 1 << 16;  // rows x vocab below which one thread does it all
@@ -33,17 +34,31 @@ struct RowStats : jaxllama::Job {
     const float* x = logits + r * vocab;
     const int64_t whole = vocab / kLanes * kLanes;
     Vec best = Vec{} - std::numeric_limits<float>::infinity();
+    Ints nan = {};
     for (int64_t i = 0; i < whole; i += kLanes) {
       Vec v;
       std::memcpy(&v, x + i, sizeof(v));
       best = v > best ? v : best;
+      nan |= v != v;
     }
     float m = -std::numeric_limits<float>::infinity();
-    for (int l = 0; l < kLanes; ++l) m = std::max(m, best[l]);
-    for (int64_t i = whole; i < vocab; ++i) m = std::max(m, x[i]);
+    bool any_nan = false;
+    for (int l = 0; l < kLanes; ++l) m = std::max(m, best[l]), any_nan |= nan[l] != 0;
+    for (int64_t i = whole; i < vocab; ++i) m = std::max(m, x[i]), any_nan |= std::isnan(x[i]);
+    if (any_nan) {  // as jnp.argmax and jnp.max take it: the first NaN, and NaN
+      int64_t at = 0;
+      while (!std::isnan(x[at])) ++at;
+      argmax[r] = static_cast<int32_t>(at);
+      top[r] = logz[r] = std::numeric_limits<float>::quiet_NaN();
+      return;
+    }
     int64_t at = 0;  // the first position of the maximum, as jnp.argmax takes it
-    while (at < vocab && !(x[at] == m)) ++at;
-    if (at == vocab) at = 0;  // all NaN
+    while (x[at] != m) ++at;
+    if (m == -std::numeric_limits<float>::infinity()) {  // every token impossible: as jax.nn.logsumexp, -inf
+      argmax[r] = static_cast<int32_t>(at);
+      top[r] = logz[r] = m;
+      return;
+    }
     Vec total = {};
     for (int64_t i = 0; i < whole; i += kLanes) {
       Vec v;

@@ -1,7 +1,10 @@
 """The CPU matmul kernel on packed weights against numpy's products (float64), and `linear` through it against
 `linear` through XLA."""
 
+import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -106,3 +109,32 @@ def test_gated_matmul_saturates_without_overflow():
         got = np.asarray(matmul.matmul(jnp.full((1, 1), scale, jnp.float32), packed))[0]
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, silu * scale, rtol=1e-6, atol=1e-30)
+
+
+def test_kernel_threads_can_be_capped(tmp_path):
+    """JAXLLAMA_KERNEL_THREADS=1: a shared product starts no helper thread (by default, one per core less one:
+    counted against the threads the process had before its first product); the result is the same."""
+    script = f"""
+import os, jax, jax.numpy as jnp, numpy as np
+from pathlib import Path
+from jaxllama.kernels import library, matmul
+assert library.load(Path({str(tmp_path)!r}))
+w = jnp.asarray(np.random.default_rng(0).standard_normal((512, 512), np.float32))
+x = jnp.ones((64, 512), jnp.float32)
+packed = jax.block_until_ready(matmul.pack(w))
+f = jax.jit(matmul.matmul).lower(x, packed).compile()
+jnp.ones(4).block_until_ready()
+before = len(os.listdir("/proc/self/task"))
+y = f(x, packed).block_until_ready()
+print(len(os.listdir("/proc/self/task")) - before, float(jnp.abs(y - x @ w.T).max()))
+"""
+    counts = {}
+    for limit in ("", "1"):
+        env = {**os.environ, "JAXLLAMA_KERNEL_THREADS": limit}
+        env.pop("XLA_FLAGS", None)  # one device, as a user runs: XLA's pool has a thread per core
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        new, error = out.stdout.split()
+        counts[limit] = int(new)
+        assert float(error) < 1e-2
+    assert counts[""] - counts["1"] == len(os.sched_getaffinity(0)) - 1, counts

@@ -56,3 +56,19 @@ def test_greedy_sampling_through_the_kernel_matches_xla():
     kernel = sample(logits, rows, step, SamplerFlags(kernel=True))
     np.testing.assert_array_equal(kernel[0], plain[0])
     np.testing.assert_allclose(kernel[1], plain[1], rtol=1e-5, atol=1e-5)
+
+
+def test_row_stats_take_nan_as_jnp_does():
+    """A row with NaN logits: the first NaN's index, and NaN for its max and log-normalizer (jnp.argmax's and
+    jnp.max's answers); a row of -inf: index 0, -inf. Other rows are untouched."""
+    logits = np.zeros((4, 21), np.float32)
+    logits[0, 5], logits[0, 17] = np.nan, np.nan  # the first NaN inside a whole vector
+    logits[1, 19] = np.nan  # in the tail
+    logits[2, :] = -np.inf
+    logits[3, 7] = 3.0
+    argmax, top, logz = jax.jit(row_stats)(jnp.asarray(logits))
+    np.testing.assert_array_equal(argmax, jnp.argmax(jnp.asarray(logits), axis=-1))
+    np.testing.assert_array_equal(argmax, [5, 19, 0, 7])
+    np.testing.assert_array_equal(top, jnp.max(jnp.asarray(logits), axis=-1))
+    assert np.isnan(logz[:2]).all() and logz[2] == -np.inf
+    np.testing.assert_allclose(logz[3], logsumexp(logits[3:].astype(np.float64), axis=-1)[0], rtol=1e-6)
