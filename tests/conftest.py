@@ -20,7 +20,7 @@ _CACHE = Path(os.environ.setdefault("JAXLLAMA_TEST_CACHE", tempfile.mkdtemp(pref
 def pytest_configure(config):
     from jaxllama.engine.runtime import enable_compilation_cache
 
-    enable_compilation_cache(_CACHE / "xla")
+    enable_compilation_cache(_CACHE)
 
 
 def smollm2_gguf() -> Path | None:

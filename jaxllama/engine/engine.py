@@ -31,9 +31,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import layer_params, pack_weights
 from jaxllama.core.sharding import named_sharding
-from jaxllama.engine import kvcache
+from jaxllama.engine import kvcache, programs
 from jaxllama.engine.prefix import ResidentPrefixes, shared_prefixes
-from jaxllama.engine.runtime import agreed_seed, cache_dir
+from jaxllama.engine.runtime import agreed_seed, cache_dir, program_cache
 from jaxllama.engine.sampling import SamplerFlags, SamplingParams, SamplingRows
 from jaxllama.engine.step import (
     DecodeState,
@@ -573,10 +573,13 @@ class Engine:
             if out is None:
                 state = jax.tree.map(lambda x: x.sharding, self.state)
                 out = (state,) + (self._replicated,) * 3 if kind.endswith("outputs") else self._activations
-            jitted = jax.jit(fn, donate_argnums=() if donate is None else (donate,), out_shardings=out)
             ynnpack = kind == "decode_layers" and not self._kernels
             options = XLA_KERNELS if jax.default_backend() == "cpu" and not ynnpack else {}
-            self._compiled[key] = jitted.lower(*args).compile(compiler_options=options)
+            if (folder := program_cache()) is not None and self.mesh.size == 1 and jax.process_count() == 1:
+                self._compiled[key] = programs.compile_program(folder, fn, args, donate, static_key, options)
+            else:
+                jitted = jax.jit(fn, donate_argnums=() if donate is None else (donate,), out_shardings=out)
+                self._compiled[key] = jitted.lower(*args).compile(compiler_options=options)
             self.stats.compiles += 1
             self.stats.compile_s += time.perf_counter() - start
         return self._compiled[key](*args)

@@ -17,14 +17,26 @@ def cache_dir() -> Path:
     return Path(base) / "jaxllama"
 
 
-def enable_compilation_cache(path: str | Path | None = None) -> Path:
-    """Keep compiled XLA programs on disk, so that running a job again does not compile again."""
-    path = Path(path) if path else cache_dir() / "xla"
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
+_programs: Path | None = None
+
+
+def enable_compilation_cache(root: str | Path | None = None) -> Path:
+    """Keep the engine's programs on disk under `root` (default: `cache_dir()`), so that running a job again
+    neither compiles them again (XLA's persistent cache, in root/xla) nor traces them again (exported, in
+    root/programs: `engine/programs.py`)."""
+    global _programs
+    root = Path(root) if root else cache_dir()
+    (root / "xla").mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(root / "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return path
+    _programs = root / "programs"
+    return root
+
+
+def program_cache() -> Path | None:
+    """Where the engine keeps exported programs: set by `enable_compilation_cache`, else None (none kept)."""
+    return _programs
 
 
 def initialize_distributed(

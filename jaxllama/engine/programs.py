@@ -1,0 +1,105 @@
+"""The engine's programs kept on disk as exported StableHLO (`jax.export`), so that a later run skips tracing and
+lowering them again (XLA's persistent cache, `runtime.enable_compilation_cache`, skips only the compilation). For
+programs on one device. A file is found again only by the same program of the same jaxllama source, jax version
+and configuration; one that cannot be read is exported again.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+from pathlib import Path
+
+import jax
+from jax import export
+
+from jaxllama.kernels import library
+
+log = logging.getLogger(__name__)
+
+PACKAGE = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of jaxllama's Python source: any change to it may change a traced program."""
+    digest = hashlib.sha256()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        digest.update(str(path.relative_to(PACKAGE)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def program_key(fn, args, donate: int | None, static_key) -> str:
+    """The file name of fn's program on args (shapes, dtypes and their pytree, which holds static fields), with
+    fn's keyword arguments (config, flags), the donated argument, the caller's static switches, and what else
+    shapes a trace: jaxllama's source, jax's version and configuration, the backend."""
+    leaves, tree = jax.tree.flatten(args)
+    func = fn.func if isinstance(fn, functools.partial) else fn
+    keywords = sorted(fn.keywords.items()) if isinstance(fn, functools.partial) else []
+    parts = (source_digest(), jax.__version__, sorted(jax.config.values.items()), jax.default_backend())
+    parts += (f"{func.__module__}.{func.__qualname__}", keywords, tree, [(x.shape, str(x.dtype)) for x in leaves])
+    parts += (donate, static_key)
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+def compile_program(folder: Path, fn, args, donate: int | None, static_key, options: dict):
+    """fn compiled for args on one device, as a function of args like fn: from its exported program in `folder`,
+    else exported there now. The compilation itself goes through XLA's persistent cache."""
+    leaves, in_tree = jax.tree.flatten(args)
+    path = folder / f"{program_key(fn, args, donate, static_key)}.jaxprog"
+    loaded = _read(path)
+    if loaded is None:
+        out_tree = None
+
+        def flat(*xs):
+            nonlocal out_tree
+            out, out_tree = jax.tree.flatten(fn(*in_tree.unflatten(xs)))
+            return out
+
+        checks = [export.DisabledSafetyCheck.custom_call(target) for target in library.TARGETS]
+        exported = export.export(jax.jit(flat), disabled_checks=checks)(*leaves)
+        _write(path, exported, out_tree)
+    else:
+        exported, out_tree = loaded
+    donated = () if donate is None else tuple(_leaf_range(args, donate))
+    compiled = jax.jit(exported.call, donate_argnums=donated).lower(*leaves).compile(compiler_options=options)
+
+    def run(*call_args):
+        return out_tree.unflatten(compiled(*jax.tree.leaves(call_args)))
+
+    return run
+
+
+def _leaf_range(args, index: int) -> range:
+    """The positions among args' leaves of argument `index`'s leaves."""
+    start = sum(len(jax.tree.leaves(a)) for a in args[:index])
+    return range(start, start + len(jax.tree.leaves(args[index])))
+
+
+def _read(path: Path):
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        size = int.from_bytes(data[:8], "little")
+        return export.deserialize(bytearray(data[8 : 8 + size])), pickle.loads(data[8 + size :])
+    except Exception as e:  # a damaged or foreign file: export the program again
+        log.warning("exported program %s unreadable (%s); exporting it again", path, e)
+        return None
+
+
+def _write(path: Path, exported, out_tree) -> None:
+    try:
+        blob = exported.serialize()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
+            f.write(len(blob).to_bytes(8, "little") + bytes(blob) + pickle.dumps(out_tree))
+        os.replace(f.name, path)  # atomic: processes writing at once each leave a whole file
+    except Exception as e:  # a read-only cache, a program export cannot serialize: it runs, and is traced next time
+        log.warning("could not keep program %s (%s)", path, e)

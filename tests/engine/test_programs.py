@@ -1,0 +1,75 @@
+"""Programs kept exported on disk (`engine/programs.py`): found again without tracing, the same results as the
+function jitted directly, donation kept, a damaged file exported again."""
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllama.engine import programs
+
+TRACES = []
+
+
+def step(params, x, cache, *, scale):
+    """A pytree in (dict, list of tuples), a pytree out; counts its traces."""
+    TRACES.append(scale)
+    y = jnp.tanh(x @ params["w"]) * scale
+    return {"y": y, "sum": y.sum()}, [(k + 1, v * 2) for k, v in cache]
+
+
+def args():
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.standard_normal((4, 4), np.float32))}
+    x = jnp.asarray(rng.standard_normal((3, 4), np.float32))
+    return params, x, [(jnp.zeros(2), jnp.ones(2))]
+
+
+def test_a_kept_program_runs_again_without_tracing(tmp_path):
+    fn = functools.partial(step, scale=2.0)
+    want = jax.jit(fn)(*args())
+    TRACES.clear()
+    first = programs.compile_program(tmp_path, fn, args(), None, None, {})
+    assert len(TRACES) == 1 and len(list(tmp_path.glob("*.jaxprog"))) == 1
+    again = programs.compile_program(tmp_path, fn, args(), None, None, {})
+    assert len(TRACES) == 1  # read from its file, not traced
+    for compiled in (first, again):
+        got = compiled(*args())
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_keywords_shapes_and_static_switches_are_other_programs(tmp_path):
+    params, x, cache = args()
+    programs.compile_program(tmp_path, functools.partial(step, scale=2.0), (params, x, cache), None, None, {})
+    programs.compile_program(tmp_path, functools.partial(step, scale=3.0), (params, x, cache), None, None, {})
+    programs.compile_program(tmp_path, functools.partial(step, scale=2.0), (params, x[:2], cache), None, None, {})
+    programs.compile_program(tmp_path, functools.partial(step, scale=2.0), (params, x, cache), None, "other", {})
+    programs.compile_program(tmp_path, functools.partial(step, scale=2.0), (params, x, cache), 2, None, {})
+    assert len(list(tmp_path.glob("*.jaxprog"))) == 5
+
+
+def test_the_donated_argument_is_donated(tmp_path):
+    fn = functools.partial(step, scale=1.0)
+    for _ in range(2):  # exported, then read back
+        params, x, cache = args()
+        out, new_cache = programs.compile_program(tmp_path, fn, (params, x, cache), 2, None, {})(params, x, cache)
+        assert all(a.is_deleted() for a in cache[0]) and not x.is_deleted()
+        np.testing.assert_array_equal(new_cache[0][1], [2.0, 2.0])
+
+
+def test_a_damaged_file_is_exported_again(tmp_path, caplog):
+    fn = functools.partial(step, scale=2.0)
+    want = jax.jit(fn)(*args())[0]["y"]
+    programs.compile_program(tmp_path, fn, args(), None, None, {})
+    (path,) = tmp_path.glob("*.jaxprog")
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a program at all")
+    TRACES.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxllama.engine.programs"):
+        got = programs.compile_program(tmp_path, fn, args(), None, None, {})(*args())
+    assert "unreadable" in caplog.text and len(TRACES) == 1
+    np.testing.assert_allclose(got[0]["y"], want, rtol=1e-6)
+    assert programs.compile_program(tmp_path, fn, args(), None, None, {}) and len(TRACES) == 1  # whole again
