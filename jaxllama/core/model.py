@@ -100,7 +100,8 @@ def linear(x: jax.Array, w: jax.Array | Packed, in_dims: int = 1):
     """x [..., *in] times w [*out, *in] (stored (out, in), `in_dims` trailing dims) -> [..., *out], as one 2-D
     product: XLA:CPU otherwise transposes 3-D attention weights on every call (32x576 @ wq: 0.51 ms
     against 1.26 ms as an einsum over (heads, head_dim, dim)). A weight packed for the CPU kernel
-    (`kernels/matmul.py`) goes through it; several weights packed as one give a tuple of outputs."""
+    (`kernels/matmul.py`) goes through it; several weights packed as one give a tuple of outputs, and a gated
+    product (gate and up) gives silu(x @ gate) * (x @ up)."""
     lead = x.shape[: x.ndim - in_dims]
     if isinstance(w, Packed):
         return matmul(x.reshape(*lead, -1), w)
@@ -169,6 +170,7 @@ def _decode_attention(q, cache_k, cache_v, visible):
 
 
 def mlp(p, x):
+    """The feed-forward block: w2(silu(w1 x) * w3 x)."""
     if "w13" in p:  # gate and up packed as one gated product (`pack_weights`): the kernel applies silu(gate) * up
         return linear(linear(x, p["w13"]), p["w2"])
     return linear(jax.nn.silu(linear(x, p["w1"])) * linear(x, p["w3"]), p["w2"])

@@ -163,6 +163,9 @@ class Engine:
         self._compiled: dict = {}
         # Products and decode attention through the CPU kernels (`_use_cpu_kernels`), else XLA's own code.
         self._kernels = cpu_kernels and self._use_cpu_kernels()
+        # One device of the default backend in one process: programs can be kept exported (`programs.py`).
+        platform = mesh.devices.flat[0].platform
+        self._one_device = mesh.size == 1 and jax.process_count() == 1 and platform == jax.default_backend()
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._activations = NamedSharding(mesh, PartitionSpec("data"))  # [batch, ...], batch over `data`
         self._cache_sharding = kvcache.cache_sharding(config, mesh)  # one layer's (keys, values)
@@ -564,22 +567,25 @@ class Engine:
 
     def _run(self, kind: str, fn, args, static_key=None, donate: int | None = None, out=None):
         """Call fn on args through its compiled program for (kind, the shapes of args, static switches), compiled
-        ahead of time on first use (and timed for the statistics). Its outputs: `out` shardings, by default
-        (state, replicated...) for `*_outputs` and activations otherwise."""
+        ahead of time on first use (and timed for the statistics). On one device, the program is kept exported on
+        disk where the compilation cache is on (`programs.py`); on a mesh, its outputs get `out` shardings, by
+        default (state, replicated...) for `*_outputs` and activations otherwise."""
         leaves, tree = jax.tree.flatten(args)
         key = (kind, tree, tuple((x.shape, x.dtype) for x in leaves), static_key)
         if key not in self._compiled:
             start = time.perf_counter()
-            if out is None:
-                state = jax.tree.map(lambda x: x.sharding, self.state)
-                out = (state,) + (self._replicated,) * 3 if kind.endswith("outputs") else self._activations
             ynnpack = kind == "decode_layers" and not self._kernels
             options = XLA_KERNELS if jax.default_backend() == "cpu" and not ynnpack else {}
-            if (folder := program_cache()) is not None and self.mesh.size == 1 and jax.process_count() == 1:
-                self._compiled[key] = programs.compile_program(folder, fn, args, donate, static_key, options)
-            else:
+            compiled = None
+            if (folder := program_cache()) is not None and self._one_device:
+                compiled = programs.compile_program(folder, fn, args, donate, static_key, options)
+            if compiled is None:
+                if out is None:
+                    state = jax.tree.map(lambda x: x.sharding, self.state)
+                    out = (state,) + (self._replicated,) * 3 if kind.endswith("outputs") else self._activations
                 jitted = jax.jit(fn, donate_argnums=() if donate is None else (donate,), out_shardings=out)
-                self._compiled[key] = jitted.lower(*args).compile(compiler_options=options)
+                compiled = jitted.lower(*args).compile(compiler_options=options)
+            self._compiled[key] = compiled
             self.stats.compiles += 1
             self.stats.compile_s += time.perf_counter() - start
         return self._compiled[key](*args)

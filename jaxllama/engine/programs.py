@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import jax
+import jaxlib
 from jax import export
 
 from jaxllama.kernels import library
@@ -37,11 +38,16 @@ def source_digest() -> str:
 def program_key(fn, args, donate: int | None, static_key) -> str:
     """The file name of fn's program on args (shapes, dtypes and their pytree, which holds static fields), with
     fn's keyword arguments (config, flags), the donated argument, the caller's static switches, and what else
-    shapes a trace: jaxllama's source, jax's version and configuration, the backend."""
+    shapes a trace: jaxllama's source, jax's and jaxlib's versions and jax's configuration, the backend. fn: a
+    module-level function of jaxllama, or a partial of one with keyword arguments (whose reprs are whole: a
+    config, flags, numbers), so that nothing outside the key (a closure, a positional argument) shapes it."""
     leaves, tree = jax.tree.flatten(args)
     func = fn.func if isinstance(fn, functools.partial) else fn
+    if (isinstance(fn, functools.partial) and fn.args) or func.__closure__ or "<" in func.__qualname__:
+        raise ValueError(f"{fn!r}: a kept program must be a module-level function, with keyword arguments only")
     keywords = sorted(fn.keywords.items()) if isinstance(fn, functools.partial) else []
-    parts = (source_digest(), jax.__version__, sorted(jax.config.values.items()), jax.default_backend())
+    parts = (source_digest(), jax.__version__, jaxlib.__version__, sorted(jax.config.values.items()))
+    parts += (jax.default_backend(),)
     parts += (f"{func.__module__}.{func.__qualname__}", keywords, tree, [(x.shape, str(x.dtype)) for x in leaves])
     parts += (donate, static_key)
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
@@ -49,7 +55,8 @@ def program_key(fn, args, donate: int | None, static_key) -> str:
 
 def compile_program(folder: Path, fn, args, donate: int | None, static_key, options: dict):
     """fn compiled for args on one device, as a function of args like fn: from its exported program in `folder`,
-    else exported there now. The compilation itself goes through XLA's persistent cache."""
+    else exported there now. The compilation itself goes through XLA's persistent cache. None where the program
+    cannot be exported (the caller then compiles it directly)."""
     leaves, in_tree = jax.tree.flatten(args)
     path = folder / f"{program_key(fn, args, donate, static_key)}.jaxprog"
     loaded = _read(path)
@@ -62,7 +69,11 @@ def compile_program(folder: Path, fn, args, donate: int | None, static_key, opti
             return out
 
         checks = [export.DisabledSafetyCheck.custom_call(target) for target in library.TARGETS]
-        exported = export.export(jax.jit(flat), disabled_checks=checks)(*leaves)
+        try:
+            exported = export.export(jax.jit(flat), disabled_checks=checks)(*leaves)
+        except Exception as e:  # e.g. a custom call jax.export does not take on this backend
+            log.warning("could not export program %s (%s); compiling it directly", path.name, e)
+            return None
         _write(path, exported, out_tree)
     else:
         exported, out_tree = loaded
@@ -86,6 +97,9 @@ def _read(path: Path):
         data = path.read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as e:  # another user's file, say: export it again (and keep it if we may)
+        log.warning("exported program %s unreadable (%s); exporting it again", path, e)
+        return None
     try:
         size = int.from_bytes(data[:8], "little")
         return export.deserialize(bytearray(data[8 : 8 + size])), pickle.loads(data[8 + size :])
@@ -95,11 +109,15 @@ def _read(path: Path):
 
 
 def _write(path: Path, exported, out_tree) -> None:
+    temporary = None
     try:
         blob = exported.serialize()
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
+            temporary = f.name
             f.write(len(blob).to_bytes(8, "little") + bytes(blob) + pickle.dumps(out_tree))
-        os.replace(f.name, path)  # atomic: processes writing at once each leave a whole file
-    except Exception as e:  # a read-only cache, a program export cannot serialize: it runs, and is traced next time
+        os.replace(temporary, path)  # atomic: processes writing at once each leave a whole file
+    except Exception as e:  # a read-only cache, say: the program runs, and is traced again next time
         log.warning("could not keep program %s (%s)", path, e)
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)

@@ -1,4 +1,4 @@
-"""Process-level set-up: multi-host initialization and the persistent compilation cache."""
+"""Process-level set-up: multi-host initialization, and the persistent caches of compiled and exported programs."""
 
 from __future__ import annotations
 

@@ -86,8 +86,9 @@ def decode_inputs(params, state: DecodeState, slots=None, *, config: ModelConfig
 def decode_layers(
     layer_params, x, positions, rope, cache: KVCache, slots=None, *, config: ModelConfig, kernel: bool = False
 ):
-    """Some consecutive layers of a decode step; each row reads and writes its slot's row of their cache. `kernel`:
-    attention through the CPU kernel (`model.attention`)."""
+    """Some consecutive layers of a decode step; each row reads and writes its slot's row of their cache. `rope`:
+    the positions' rotary angles (`decode_inputs`). `kernel`: attention through the CPU kernel
+    (`model.attention`)."""
     return layers(layer_params, config, x, positions, cache, rows=slots, kernel=kernel, rope=rope)
 
 
@@ -131,7 +132,8 @@ def prefill_inputs(params, tokens, starts, *, config: ModelConfig):
 
 
 def prefill_layers(layer_params, x, positions, rope, rows: KVCache | None, *, config: ModelConfig):
-    """Some consecutive layers of a prefill, over the rows' own caches: `rows` per layer holds, for each of the n
+    """Some consecutive layers of a prefill (`rope`: the positions' rotary angles, from `prefill_inputs`), over the
+    rows' own caches: `rows` per layer holds, for each of the n
     rows, the first `span` positions of a slot that already computed a prefix of its prompt (`kvcache.take_rows`),
     or is None for prompts computed from their start (span = x's length). Returns (x, rows with the new tokens'
     keys/values), which `kvcache.put_rows` then stores in the rows' slots. The slots' cache is no input here, so

@@ -161,7 +161,8 @@ inline void RunJob(XLA_FFI_CallFrame* frame, Job& job, bool share) {
       Discard(api, error);
       n = 0;
     }
-    return limit && *limit ? std::min<int64_t>(n, std::atoll(limit)) : n;
+    const int64_t cap = limit ? std::atoll(limit) : 0;  // unset, empty or not a positive number: no cap
+    return cap > 0 ? std::min(n, cap) : n;
   }();
   Helpers::Get(threads).Run(job);
 }

@@ -20,7 +20,7 @@ using jaxllama::Vec;
 constexpr int64_t kPanel = 2 * kLanes;  // output columns per panel: two vectors
 constexpr int64_t kTile = 4;     // rows per tile: 4 x 2 vector accumulators, 2 weight vectors, 1 broadcast
 constexpr int64_t kBlock = 48;   // rows whose inputs stay in cache (L2) while the panels stream past them
-constexpr int64_t kMinShared = 1 << 20;  // rows x in x out below which one thread does it all
+constexpr int64_t kMinShared = 1 << 20;  // rows x in x panel columns below which one thread does it all
 
 // out[rows, kPanel] (stride ldo) = x[rows, k] (stride ldx) @ panel[k, kPanel]; `width` <= kPanel columns stored.
 // kGated: out[rows, kLanes] = silu(the first kLanes columns) x the last kLanes; `width` <= kLanes.

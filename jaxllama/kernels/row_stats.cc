@@ -54,7 +54,7 @@ struct RowStats : jaxllama::Job {
     }
     int64_t at = 0;  // the first position of the maximum, as jnp.argmax takes it
     while (x[at] != m) ++at;
-    if (m == -std::numeric_limits<float>::infinity()) {  // every token impossible: as jax.nn.logsumexp, -inf
+    if (std::isinf(m)) {  // every token impossible (-inf), or one certain (+inf): as jax.nn.logsumexp
       argmax[r] = static_cast<int32_t>(at);
       top[r] = logz[r] = m;
       return;

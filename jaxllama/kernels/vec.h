@@ -17,7 +17,7 @@ constexpr int kLanes = 8;
 inline Vec Exp(Vec x) {
   const Vec lo = Vec{} - 87.3f;
   const auto tiny = x < lo;
-  x = tiny ? lo : x;
+  x = tiny ? lo : x;  // keeps n, and 2^n's exponent bits, in range
   const Vec n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f), Ints),
                                         Vec);
   const Vec r = x - n * 0.693145752f - n * 1.42860677e-6f;  // ln 2 in two parts, for an exact reduction

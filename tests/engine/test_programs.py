@@ -7,6 +7,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxllama.engine import programs
 
@@ -73,3 +74,12 @@ def test_a_damaged_file_is_exported_again(tmp_path, caplog):
     assert "unreadable" in caplog.text and len(TRACES) == 1
     np.testing.assert_allclose(got[0]["y"], want, rtol=1e-6)
     assert programs.compile_program(tmp_path, fn, args(), None, None, {}) and len(TRACES) == 1  # whole again
+
+
+def test_a_function_the_key_cannot_see_into_is_refused(tmp_path):
+    """A closure or a positional argument could change the program without changing its file name."""
+    scale = 2.0
+    with pytest.raises(ValueError, match="module-level"):
+        programs.compile_program(tmp_path, lambda *a: step(*a, scale=scale), args(), None, None, {})
+    with pytest.raises(ValueError, match="module-level"):
+        programs.compile_program(tmp_path, functools.partial(step, {"w": 1}), args()[1:], None, None, {})

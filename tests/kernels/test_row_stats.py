@@ -60,15 +60,18 @@ def test_greedy_sampling_through_the_kernel_matches_xla():
 
 def test_row_stats_take_nan_as_jnp_does():
     """A row with NaN logits: the first NaN's index, and NaN for its max and log-normalizer (jnp.argmax's and
-    jnp.max's answers); a row of -inf: index 0, -inf. Other rows are untouched."""
-    logits = np.zeros((4, 21), np.float32)
+    jnp.max's answers); a row of -inf: index 0, -inf; a row with +inf: its index, +inf (jax.nn.logsumexp's).
+    Other rows are untouched."""
+    logits = np.zeros((5, 21), np.float32)
     logits[0, 5], logits[0, 17] = np.nan, np.nan  # the first NaN inside a whole vector
     logits[1, 19] = np.nan  # in the tail
     logits[2, :] = -np.inf
     logits[3, 7] = 3.0
+    logits[4, 11] = np.inf
     argmax, top, logz = jax.jit(row_stats)(jnp.asarray(logits))
     np.testing.assert_array_equal(argmax, jnp.argmax(jnp.asarray(logits), axis=-1))
-    np.testing.assert_array_equal(argmax, [5, 19, 0, 7])
+    np.testing.assert_array_equal(argmax, [5, 19, 0, 7, 11])
     np.testing.assert_array_equal(top, jnp.max(jnp.asarray(logits), axis=-1))
-    assert np.isnan(logz[:2]).all() and logz[2] == -np.inf
-    np.testing.assert_allclose(logz[3], logsumexp(logits[3:].astype(np.float64), axis=-1)[0], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(logz)[[2, 4]], jax.nn.logsumexp(jnp.asarray(logits[[2, 4]]), axis=-1))
+    assert np.isnan(logz[:2]).all() and logz[2] == -np.inf and logz[4] == np.inf
+    np.testing.assert_allclose(logz[3], logsumexp(logits[3:4].astype(np.float64), axis=-1)[0], rtol=1e-6)
