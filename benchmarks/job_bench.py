@@ -1,9 +1,10 @@
 """jaxllama against HF transformers and llama.cpp on the same chat job, same model (the SmolLM2 GGUF), same
 machine, one run; prints one table with the ratio of jaxllama (warm) to each peer.
 
-    python -m benchmarks.job_bench JOB.jsonl [--hf-batch 32] [--skip hf,llamacpp] [--max-batch 64]
+    python -m benchmarks.job_bench JOB.jsonl [--hf-batch 32] [--skip hf,llamacpp] [--max-batch 64] [--quantize q8_0]
 
-jaxllama runs the job through `jaxllama run` twice: cold (compilation cache emptied) and warm (cache filled).
+jaxllama runs the job through `jaxllama run` twice: cold (compilation cache emptied) and warm (cache filled);
+with --quantize, twice more with that weight format (its programs compile anew; the kernels are built by then).
 The peers run from `benchmarks/peers.py` (HF transformers float32 batched `generate`; llama.cpp one request
 at a time, if `llama-cpp-python` is installed: `pip install -e '.[bench]'`). Each system runs in its own
 process; its peak resident memory is sampled. The roofline line sets jaxllama's decode against this
@@ -30,10 +31,11 @@ from jaxllama.engine.engine import DEFAULT_SLOTS
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_jaxllama(job: Path, cache: Path, max_batch: int) -> dict:
+def run_jaxllama(job: Path, cache: Path, max_batch: int, quantize: str | None = None) -> dict:
     out, stats = cache / "out.jsonl", cache / "stats.json"
     cmd = [sys.executable, "-m", "jaxllama.cli", "run", str(job), "--output", str(out), "--overwrite", "--quiet"]
     cmd += ["--stats-file", str(stats), "--max-batch", str(max_batch)]
+    cmd += ["--quantize", quantize] if quantize else []
     peak = peak_rss(cmd, REPO, env={**os.environ, "JAXLLAMA_CACHE": str(cache)})
     return {**json.loads(stats.read_text()), "peak_rss": peak}
 
@@ -59,7 +61,10 @@ def roofline(warm: dict, config: ModelConfig, bytes_per_param: int = 4) -> str:
     )
 
 
-def main(job: str, hf_batch: int = 32, skip: str | tuple = (), max_batch: int = DEFAULT_SLOTS):
+def main(
+    job: str, hf_batch: int = 32, skip: str | tuple = (), max_batch: int = DEFAULT_SLOTS, quantize: str | None = None
+):
+    """`quantize`: also run jaxllama with that weight format (`jaxllama run --quantize`), cold and warm."""
     job = Path(job).resolve()
     skip = set(skip.split(",") if isinstance(skip, str) else skip)
     cache = Path(tempfile.mkdtemp(prefix="jaxllama-bench-"))
@@ -71,11 +76,14 @@ def main(job: str, hf_batch: int = 32, skip: str | tuple = (), max_batch: int = 
             [sys.executable, "-c", convert], env=env, check=True, cwd=REPO, capture_output=True, text=True
         ).stdout.split()[-1]
         config = ModelConfig.load(checkpoint)
-        cold = run_jaxllama(job, cache, max_batch)
-        warm = run_jaxllama(job, cache, max_batch)
+        results = {"jaxllama cold": run_jaxllama(job, cache, max_batch)}
+        results["jaxllama warm"] = run_jaxllama(job, cache, max_batch)
+        if quantize:
+            results[f"jaxllama {quantize} cold"] = run_jaxllama(job, cache, max_batch, quantize)
+            results[f"jaxllama {quantize} warm"] = run_jaxllama(job, cache, max_batch, quantize)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    results = {"jaxllama cold": cold, "jaxllama warm": warm}
+    cold, warm = results["jaxllama cold"], results["jaxllama warm"]
     if "hf" not in skip:
         results[f"HF transformers batch {hf_batch}"] = run_peer("hf", job, "--batch", str(hf_batch))
     if "llamacpp" not in skip and importlib.util.find_spec("llama_cpp"):
@@ -92,11 +100,14 @@ def main(job: str, hf_batch: int = 32, skip: str | tuple = (), max_batch: int = 
         line += f"{ttft_s:>10.1f} {r['wall_s']:>7.1f} {r['peak_rss'] / 2**20:>8.0f}"
         line += "".join(f"  {r['output_tokens_per_s'] / results[p]['output_tokens_per_s']:>8.2f}x" for p in peers)
         print(line)
-    print(
-        f"jaxllama: compile {cold['compile_s']:.1f} s cold, {warm['compile_s']:.1f} s warm; warm prefill "
-        f"{warm['prefill_tokens_per_s']} tok/s, decode {warm['decode_tokens_per_s']} tok/s, slot occupancy "
-        f"{100 * warm['slot_occupancy']:.0f}%"
-    )
+    for variant in ("", *([f" {quantize}"] if quantize else [])):
+        cold, warm = results[f"jaxllama{variant} cold"], results[f"jaxllama{variant} warm"]
+        print(
+            f"jaxllama{variant}: compile {cold['compile_s']:.1f} s cold, {warm['compile_s']:.1f} s warm; warm "
+            f"prefill {warm['prefill_tokens_per_s']} tok/s, decode {warm['decode_tokens_per_s']} tok/s, slot "
+            f"occupancy {100 * warm['slot_occupancy']:.0f}%"
+        )
+    cold, warm = results["jaxllama cold"], results["jaxllama warm"]
     print(roofline(warm, config))
 
 

@@ -57,12 +57,19 @@ def main(
     seed: int = 0,
     job: str | None = None,
     layers: int = LAYERS_PER_PROGRAM,
+    quantize: str | None = None,
 ):
     from jaxllama import LLM
 
     llm = LLM.load(mesh="data=1,model=1", compilation_cache=False)
     engine = TimedEngine(
-        llm.config, llm.params, llm.mesh, eos_ids=llm.eos_ids, max_slots=slots, layers_per_program=layers
+        llm.config,
+        llm.params,
+        llm.mesh,
+        eos_ids=llm.eos_ids,
+        max_slots=slots,
+        layers_per_program=layers,
+        quantize=quantize,
     )
     rng = np.random.default_rng(seed)
     if job is not None:

@@ -28,6 +28,7 @@ def _common_setup(
     num_processes,
     process_id,
     decode_steps=None,
+    quantize=None,
 ):
     from jaxllama.engine.runtime import initialize_distributed
     from jaxllama.llm import LLM
@@ -41,6 +42,7 @@ def _common_setup(
         **({} if max_batch is None else {"max_slots": max_batch}),
         max_context=max_context,
         decode_steps=decode_steps,
+        quantize=quantize,
     )
 
 
@@ -69,6 +71,7 @@ def run(
     max_batch: int | None = None,
     max_context: int | None = None,
     decode_steps: int | None = None,
+    quantize: str | None = None,
     overwrite: bool = False,
     stats_file: str | None = None,
     quiet: bool = False,
@@ -100,6 +103,7 @@ def run(
       max_batch: decode slots: requests generated at once (default: the engine's, 64).
       max_context: context limit (prompt + completion), at most the model's.
       decode_steps: decode steps per host round trip.
+      quantize: q8_0 to generate with int8 weights (llama.cpp's Q8_0; one CPU device): faster one request at a time.
       overwrite: start over instead of resuming.
       stats_file: also write the summary statistics as JSON here.
       quiet: no progress or summary on stderr.
@@ -131,6 +135,7 @@ def run(
             num_processes,
             process_id,
             decode_steps,
+            quantize,
         )
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))
@@ -172,6 +177,7 @@ def serve(
     max_queue: int = 256,
     max_context: int | None = None,
     decode_steps: int | None = None,
+    quantize: str | None = None,
     log_level: str = "info",
 ):
     """Serve the OpenAI API: POST /v1/chat/completions and /v1/completions (streamed with "stream": true),
@@ -190,6 +196,7 @@ def serve(
       max_queue: requests waiting for a slot at most; one more is answered 429.
       max_context: context limit (prompt + completion), at most the model's.
       decode_steps: decode steps per host round trip.
+      quantize: q8_0 to generate with int8 weights (llama.cpp's Q8_0; one CPU device): faster one request at a time.
       log_level: uvicorn's log level (debug, info, warning, error).
     """
     import uvicorn
@@ -197,7 +204,9 @@ def serve(
     from jaxllama.server.app import create_app
 
     try:
-        llm = _common_setup(model, mesh, chat_template, eos_id, max_batch, max_context, None, None, None, decode_steps)
+        llm = _common_setup(
+            model, mesh, chat_template, eos_id, max_batch, max_context, None, None, None, decode_steps, quantize
+        )
         app = create_app(llm, model_name=served_model_name, max_queue=max_queue, max_tokens=max_tokens)
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))
@@ -246,6 +255,7 @@ def chat(
     seed: int | None = None,
     mesh: str | None = None,
     chat_template: str | None = None,
+    quantize: str | None = None,
 ):
     """Chat with a model in the terminal, the reply streamed as it is generated. Ctrl-D or /exit to quit.
 
@@ -258,9 +268,10 @@ def chat(
       seed: random seed.
       mesh: device mesh, e.g. data=1,model=2.
       chat_template: a built-in template name or a .jinja file.
+      quantize: q8_0 to generate with int8 weights (llama.cpp's Q8_0; one CPU device): faster one request at a time.
     """
     try:
-        llm = _common_setup(model, mesh, chat_template, None, 1, None, None, None, None)
+        llm = _common_setup(model, mesh, chat_template, None, 1, None, None, None, None, quantize=quantize)
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []

@@ -50,6 +50,7 @@ class LLM:
         max_slots: int = DEFAULT_SLOTS,
         max_context: int | None = None,
         decode_steps: int | None = None,
+        quantize: str | None = None,
         path: Path | None = None,
     ):
         self.config, self.params, self.mesh = config, params, mesh
@@ -63,6 +64,7 @@ class LLM:
             max_slots=max_slots,
             max_context=max_context,
             decode_steps=decode_steps or _default_decode_steps(),
+            quantize=quantize,
         )
         self.generation = Generation(self.engine, tokenizer)
         self._next_id = 0
@@ -80,11 +82,14 @@ class LLM:
         max_slots: int = DEFAULT_SLOTS,
         max_context: int | None = None,
         decode_steps: int | None = None,
+        quantize: str | None = None,
         compilation_cache: bool = True,
     ) -> LLM:
         """Load a converted checkpoint (None: the default model) onto a mesh ('data=2,model=4'; default:
         chosen from the devices). `chat_template`: a built-in name or a .jinja file instead of the
-        checkpoint's. `eos_ids` replaces the end-of-generation set; `extra_eos_ids` extends it."""
+        checkpoint's. `eos_ids` replaces the end-of-generation set; `extra_eos_ids` extends it. `quantize='q8_0'`:
+        generate with int8 weights in blocks of 32 (llama.cpp's Q8_0), on one CPU device; `logits` and `forward`
+        keep the checkpoint's weights."""
         from jaxllama.default_model import resolve_model
 
         if compilation_cache:
@@ -112,6 +117,7 @@ class LLM:
             max_slots=max_slots,
             max_context=max_context,
             decode_steps=decode_steps,
+            quantize=quantize,
             path=Path(path),
         )
 

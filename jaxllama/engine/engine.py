@@ -46,6 +46,7 @@ from jaxllama.engine.step import (
     prefill_outputs,
 )
 from jaxllama.kernels import library as kernels
+from jaxllama.kernels.matmul import QUANTIZATIONS
 
 MAX_STOP_IDS = 32
 # Decode slots by default. On SmolLM2 on a 2-core CPU, 64 slots ran the 256-request mixed job in 377 s against
@@ -147,6 +148,7 @@ class Engine:
         min_cache: int = kvcache.MIN_BUCKET,
         layers_per_program: int = LAYERS_PER_PROGRAM,
         cpu_kernels: bool = True,
+        quantize: str | None = None,
     ):
         self.config, self.params, self.mesh = config, params, mesh
         self.eos_ids = tuple(sorted(set(int(i) for i in eos_ids)))
@@ -163,6 +165,14 @@ class Engine:
         self._compiled: dict = {}
         # Products and decode attention through the CPU kernels (`_use_cpu_kernels`), else XLA's own code.
         self._kernels = cpu_kernels and self._use_cpu_kernels()
+        if quantize is not None and quantize not in QUANTIZATIONS:
+            raise ValueError(f"quantize={quantize!r}: expected one of {', '.join(QUANTIZATIONS)} or None")
+        if quantize is not None and not self._kernels:
+            raise ValueError(
+                f"quantize={quantize!r} runs through the CPU kernels: one CPU device, float32 weights "
+                f"(here: {jax.default_backend()}, {mesh.size} device(s), {self.dtype})"
+            )
+        self.quantize = quantize
         # One device of the default backend in one process: programs can be kept exported (`programs.py`).
         platform = mesh.devices.flat[0].platform
         self._one_device = mesh.size == 1 and jax.process_count() == 1 and platform == jax.default_backend()
@@ -180,8 +190,9 @@ class Engine:
         self._runs = [(a, min(a + layers_per_program, n)) for a in range(0, n, layers_per_program)]
         self._run_params = [layer_params(params, config, a, b) for a, b in self._runs]
         if self._kernels:
-            self._outer = pack_weights(self._outer, config)
-            self._run_params = [pack_weights(p, config) for p in self._run_params]
+            quantized = quantize is not None
+            self._outer = pack_weights(self._outer, config, quantized)
+            self._run_params = [pack_weights(p, config, quantized) for p in self._run_params]
         self.state = self._initial_state()
         self.cache = kvcache.allocate(
             self.config, mesh, self.slots, kvcache.bucket(min_cache, self.max_context), self.dtype

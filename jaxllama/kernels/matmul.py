@@ -3,7 +3,9 @@ through XLA's FFI once `library.load` has built and registered it.
 
 `pack` turns a weight stored (out, in) into a `Packed` pytree; code that multiplies by a weight checks for one
 (`core.model.linear`), so that a params tree with packed weights runs through the kernel without a switch.
-`pack_gated` packs an MLP's gate and up projections as one product that gives silu(gate) x up.
+`pack_gated` packs an MLP's gate and up projections as one product that gives silu(gate) x up. `quantize` turns
+packed float32 panels into int8 ones with a scale per block of 32 inputs of each column (llama.cpp's Q8_0, to the
+bit), a quarter of the memory and of the bytes that bound a one-row product.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import numpy as np
 TARGET = "jaxllama_matmul"
 GATED_TARGET = "jaxllama_gated_matmul"
 PANEL = 16  # output columns per panel (matmul.cc's kPanel); a gated product's panel: 8 gate and 8 up columns
+Q_BLOCK = 32  # inputs per scale of a quantized weight (matmul.cc's kQBlock; Q8_0's block)
+QUANTIZATIONS = ("q8_0",)  # what `quantize` makes: the names users pass (`Engine(quantize=...)`, `--quantize`)
 
 
 @jax.tree_util.register_dataclass
@@ -25,11 +29,13 @@ class Packed:
     """One weight [*out, *in], or several sharing their input dims, as panels [ceil(out / PANEL), in, PANEL] of
     PANEL output columns each (the last zero-padded): each panel is one contiguous stream for the kernel. Several
     weights are one product, whose output `matmul` splits again (their out shapes: `out_shapes`). `gated`: a
-    gate and an up projection (`pack_gated`), one output."""
+    gate and an up projection (`pack_gated`), one output. Quantized (`quantize`): int8 panels, and `scales`
+    [panels, ceil(in / Q_BLOCK), PANEL], each column's scale for each block of Q_BLOCK inputs."""
 
     panels: jax.Array
     out_shapes: tuple[tuple[int, ...], ...] = dataclasses.field(metadata={"static": True})
     gated: bool = dataclasses.field(default=False, metadata={"static": True})
+    scales: jax.Array | None = None
 
 
 @jax.jit(static_argnames="in_dims")
@@ -54,11 +60,40 @@ def pack_gated(gate: jax.Array, up: jax.Array) -> Packed:
     return Packed(jnp.concatenate([gate, up], axis=1).transpose(0, 2, 1), ((hidden,),), gated=True)
 
 
+@jax.jit
+def quantize(w: Packed) -> Packed:
+    """Float32 panels -> int8 ones and their scales, as llama.cpp quantizes a row of Q8_0 (ggml-quants.c, to the
+    bit): per block of Q_BLOCK inputs of a column, scale = max |w| / 127 (stored as float16, here in float32) and
+    q = w / that scale before its rounding to float16, rounded half away from zero. The inputs are padded with
+    zeros to whole blocks and stored in pairs, column by column ([panels, in / 2, PANEL, 2]), as the kernel
+    reads them."""
+    n, k, cols = w.panels.shape
+    blocks = -(-k // Q_BLOCK)
+    padded = jnp.pad(w.panels, ((0, 0), (0, blocks * Q_BLOCK - k), (0, 0))).reshape(n, blocks, Q_BLOCK, cols)
+    scale = jnp.max(jnp.abs(padded), axis=2, keepdims=True) / 127
+    inverse = jnp.where(scale == 0, 0, 1 / jnp.where(scale == 0, 1, scale))
+    scaled = jnp.abs(padded * inverse)
+    q = jnp.sign(padded) * (jnp.floor(scaled) + jnp.floor(2 * (scaled - jnp.floor(scaled))))  # ggml's roundf
+    pairs = q.astype(jnp.int8).reshape(n, blocks * Q_BLOCK // 2, 2, cols).transpose(0, 1, 3, 2)
+    scales = scale.astype(jnp.float16).astype(jnp.float32).reshape(n, blocks, cols)
+    return dataclasses.replace(w, panels=pairs.reshape(n, blocks * Q_BLOCK, cols), scales=scales)
+
+
+def dequantize(w: Packed) -> np.ndarray:
+    """A quantized Packed's weight as float32 [panels * PANEL, in padded to whole blocks] (out, in): what its
+    products multiply by."""
+    n, kp, cols = w.panels.shape
+    q = np.asarray(w.panels).reshape(n, kp // 2, cols, 2).transpose(0, 1, 3, 2).reshape(n, kp // Q_BLOCK, Q_BLOCK, cols)
+    weights = q.astype(np.float32) * np.asarray(w.scales)[:, :, None, :]
+    return weights.reshape(n, kp, cols).transpose(0, 2, 1).reshape(n * cols, kp)
+
+
 def matmul(x: jax.Array, w: Packed) -> jax.Array | tuple[jax.Array, ...]:
     """x [..., in] @ the packed weight -> [..., *out], or a tuple of them for several weights packed as one."""
     sizes = [int(np.prod(shape)) for shape in w.out_shapes]
     target = GATED_TARGET if w.gated else TARGET
-    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x.shape[:-1], sum(sizes)), x.dtype))(x, w.panels)
+    weights = (w.panels,) if w.scales is None else (w.panels, w.scales)
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x.shape[:-1], sum(sizes)), x.dtype))(x, *weights)
     lead = x.shape[:-1]
     if len(sizes) == 1:
         return out.reshape(*lead, *w.out_shapes[0])

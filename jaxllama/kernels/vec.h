@@ -5,12 +5,39 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace jaxllama {
 
 typedef float Vec __attribute__((vector_size(32)));
 typedef int32_t Ints __attribute__((vector_size(32)));
 typedef uint32_t UInts __attribute__((vector_size(32)));
+typedef int16_t Shorts __attribute__((vector_size(32)));
 constexpr int kLanes = 8;
+
+// 2 x kLanes int8 from p, as int16 lanes.
+inline Shorts LoadBytes(const int8_t* p) {
+#if defined(__AVX2__)
+  return reinterpret_cast<Shorts>(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  Shorts v;
+  for (int i = 0; i < 2 * kLanes; ++i) v[i] = p[i];
+  return v;
+#endif
+}
+
+// acc + the products of a's and b's int16 lanes (`a` given as Ints), each pair of lanes summed: AVX2's pmaddwd.
+inline Ints MultiplyAddPairs(Ints acc, Ints a, Shorts b) {
+#if defined(__AVX2__)
+  return acc + reinterpret_cast<Ints>(_mm256_madd_epi16(reinterpret_cast<__m256i>(a), reinterpret_cast<__m256i>(b)));
+#else
+  const Shorts s = reinterpret_cast<Shorts>(a);
+  for (int i = 0; i < kLanes; ++i) acc[i] += int32_t{s[2 * i]} * b[2 * i] + int32_t{s[2 * i + 1]} * b[2 * i + 1];
+  return acc;
+#endif
+}
 
 // e^x for x <= 0, lane by lane: 2^n x e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its degree-6 Taylor
 // polynomial (relative error below 2.2e-7); below -87.3 (e^-87.3 ~ 1e-38, the smallest normal float), 0.

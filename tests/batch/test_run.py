@@ -196,6 +196,15 @@ def test_unreadable_job_or_model_fails_at_once(tiny_chat, tmp_path):
     assert proc.returncode == 2 and "no such file or directory" in proc.stderr.strip().splitlines()[-1]
 
 
+def test_quantized_weights(tiny_chat, tmp_path):
+    job = write_job(tmp_path / "job.jsonl", GOOD[:2])
+    proc = jaxllama("run", job, "--model", tiny_chat, "--quantize", "q8_0", env={"XLA_FLAGS": ""})  # one device
+    assert proc.returncode == 0, proc.stderr
+    assert [r["id"] for r in read(tmp_path / "job.out.jsonl")] == ["chat", "plain"]
+    proc = jaxllama("run", job, "--model", tiny_chat, "--quantize", "q4_0", "--overwrite")
+    assert proc.returncode == 2 and "quantize='q4_0': expected one of q8_0" in proc.stderr
+
+
 def test_info(tiny_chat):
     proc = jaxllama("info", tiny_chat)
     assert proc.returncode == 0, proc.stderr
