@@ -37,7 +37,9 @@ def xla_attention(q, keys, values, slots, positions):
         (5, 8, 2, 4, 8, 48),
         (32, 64, 3, 3, 64, 128),  # SmolLM2's heads
         (64, 64, 3, 3, 64, 384),  # shared with the thread pool
-        (7, 16, 4, 2, 16, 200),  # a cache length no multiple of the vector width
+        (7, 16, 4, 2, 16, 200),
+        (3, 4, 2, 5, 24, 203),  # a length no multiple of the vector width, dims past 16, query heads 4 + 1
+        (2, 2, 1, 8, 128, 64),  # Llama 3 70B's heads: 8 query heads per kv head, 128 dims
     ],
 )
 def test_kernel_matches_xla(kernel, rows, slots, kv, groups, head_dim, length):
