@@ -27,6 +27,7 @@ from jaxllama.engine.engine import DEFAULT_SLOTS, Engine
 from jaxllama.engine.runtime import enable_compilation_cache
 from jaxllama.engine.sampling import SamplingParams
 from jaxllama.generation import Generation, Result
+from jaxllama.kernels.matmul import check_quantization
 from jaxllama.text.chat_template import ChatTemplate, encode_chat
 from jaxllama.text.conversation import validate_messages
 from jaxllama.text.end_of_generation import end_of_generation_ids, load_generation_config
@@ -92,6 +93,7 @@ class LLM:
         keep the checkpoint's weights."""
         from jaxllama.default_model import resolve_model
 
+        check_quantization(quantize)  # before a long load
         if compilation_cache:
             enable_compilation_cache()
         path = resolve_model(path)

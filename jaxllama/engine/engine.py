@@ -46,7 +46,7 @@ from jaxllama.engine.step import (
     prefill_outputs,
 )
 from jaxllama.kernels import library as kernels
-from jaxllama.kernels.matmul import QUANTIZATIONS
+from jaxllama.kernels.matmul import check_quantization
 
 MAX_STOP_IDS = 32
 # Decode slots by default. On SmolLM2 on a 2-core CPU, 64 slots ran the 256-request mixed job in 377 s against
@@ -165,8 +165,7 @@ class Engine:
         self._compiled: dict = {}
         # Products and decode attention through the CPU kernels (`_use_cpu_kernels`), else XLA's own code.
         self._kernels = cpu_kernels and self._use_cpu_kernels()
-        if quantize is not None and quantize not in QUANTIZATIONS:
-            raise ValueError(f"quantize={quantize!r}: expected one of {', '.join(QUANTIZATIONS)} or None")
+        check_quantization(quantize)
         if quantize is not None and not self._kernels:
             raise ValueError(
                 f"quantize={quantize!r} runs through the CPU kernels: one CPU device, float32 weights "

@@ -23,6 +23,12 @@ Q_BLOCK = 32  # inputs per scale of a quantized weight (matmul.cc's kQBlock; Q8_
 QUANTIZATIONS = ("q8_0",)  # what `quantize` makes: the names users pass (`Engine(quantize=...)`, `--quantize`)
 
 
+def check_quantization(name: str | None) -> None:
+    """Raise ValueError unless name is None (float32 weights) or one of QUANTIZATIONS."""
+    if name is not None and name not in QUANTIZATIONS:
+        raise ValueError(f"quantize={name!r}: expected one of {', '.join(QUANTIZATIONS)} or None")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Packed:
