@@ -4,7 +4,8 @@ machine, one run; prints one table with the ratio of jaxllama (warm) to each pee
     python -m benchmarks.job_bench JOB.jsonl [--hf-batch 32] [--skip hf,llamacpp] [--max-batch 64] [--quantize q8_0]
 
 jaxllama runs the job through `jaxllama run` twice: cold (compilation cache emptied) and warm (cache filled);
-with --quantize, twice more with that weight format (its programs compile anew; the kernels are built by then).
+with --quantize, twice more with that weight format (the programs that take the weights compile anew; the kernels
+and the others are in the cache by then).
 The peers run from `benchmarks/peers.py` (HF transformers float32 batched `generate`; llama.cpp one request
 at a time, if `llama-cpp-python` is installed: `pip install -e '.[bench]'`). Each system runs in its own
 process; its peak resident memory is sampled. The roofline line sets jaxllama's decode against this

@@ -1,7 +1,7 @@
 """Where an engine step's time goes: each compiled program's calls timed alone.
 
     python -m benchmarks.step_profile [--requests 32] [--prompt 40] [--max-tokens 64] [--slots 32]
-    python -m benchmarks.step_profile --job JOB.jsonl [--slots 64] [--layers 5]
+    python -m benchmarks.step_profile --job JOB.jsonl [--slots 64] [--layers 5] [--quantize q8_0]
 
 Runs the engine on the default model (SmolLM2-135M-Instruct, float32) over random prompts, or over a job's
 chat requests (chat template applied, each line's max_tokens, greedy, longest first as `jaxllama run` runs

@@ -150,6 +150,7 @@ class Engine:
         cpu_kernels: bool = True,
         quantize: str | None = None,
     ):
+        check_quantization(quantize)
         self.config, self.params, self.mesh = config, params, mesh
         self.eos_ids = tuple(sorted(set(int(i) for i in eos_ids)))
         data = mesh.shape["data"]
@@ -165,7 +166,6 @@ class Engine:
         self._compiled: dict = {}
         # Products and decode attention through the CPU kernels (`_use_cpu_kernels`), else XLA's own code.
         self._kernels = cpu_kernels and self._use_cpu_kernels()
-        check_quantization(quantize)
         if quantize is not None and not self._kernels:
             raise ValueError(
                 f"quantize={quantize!r} runs through the CPU kernels: one CPU device, float32 weights "

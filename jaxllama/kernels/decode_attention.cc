@@ -32,8 +32,8 @@ inline Vec Load(const float* p) {
 inline Vec Broadcast(float s) { return Vec{s, s, s, s, s, s, s, s}; }
 
 // scores[j, t0..t0 + 2 kLanes) = q[j] . keys[:, t0..] x scale for kG query heads: each key vector is read once
-// for all of them, and the sums stay in registers. Keys are [dim, length]: a block reads a 64-byte line of each dim's
-// row, and fetches the next block's ahead (many rows far apart defeat the hardware's prefetch).
+// for all of them, and the sums stay in registers. Keys are [dim, length]: a block reads 64 bytes of each dim's row,
+// and fetches the next block's ahead (many rows far apart defeat the hardware's prefetch).
 template <int kG>
 void ScoreBlock(const float* q, const float* keys, int64_t hd, int64_t n, int64_t t0, float scale, float* scores) {
   Vec acc[kG][2] = {};

@@ -6,11 +6,11 @@
 // columns of the same outputs, and stores silu(gate) x up: XLA's fusion for it took longer than the product at 32
 // rows (~0.25 ms of ~0.9).
 // Quantized weights (`matmul.py`'s `quantize`: int8, a float32 scale per column per block of kQBlock inputs, as
-// llama.cpp's Q8_0) take a quarter of the memory and of the bandwidth that bounds a one-row product. Their products
+// llama.cpp's Q8_0) take 1.125 bytes a weight instead of 4, the bytes that bound a one-row product. Their products
 // quantize each row of x to int16 per block (a scale per row and block) and sum each block in int32 (AVX2's
 // pmaddwd: 16 multiply-adds per instruction, where converting int8 weights to float took more instructions than
-// the float product), then add it in float times the two scales. The block sums are exact, so a row's result does
-// not depend on the rows it shares a call with. XLA FFI handlers (`ffi.h`).
+// the float product), then add it in float times the two scales. As in float32, each row is computed on its own,
+// in the same order, whatever rows share its call. XLA FFI handlers (`ffi.h`).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -107,8 +107,8 @@ void QuantizedTile(const int16_t* xq, const float* xs, int64_t kp, const int8_t*
 }
 
 // xq[rows, kp] and xs[rows, kp / kQBlock] for x[rows, k] (`QuantizedTile`): per row and block, scale = max |x| /
-// 32767 and xq = x / scale rounded half away from zero; 0 past k. A NaN or infinite input makes its block's scale
-// infinite or NaN, and the row's outputs follow.
+// 32767 and xq = x / scale rounded to nearest; 0 past k. A NaN or infinite input makes its block's scale NaN or
+// infinite, and its row's outputs NaN.
 void QuantizeRows(const float* x, int64_t rows, int64_t k, int64_t kp, int16_t* xq, float* xs) {
   const int64_t blocks = kp / kQBlock;
   for (int64_t r = 0; r < rows; ++r) {
@@ -117,12 +117,11 @@ void QuantizeRows(const float* x, int64_t rows, int64_t k, int64_t kp, int16_t* 
       float top = 0.0f;
       for (int64_t p = start; p < end; ++p) top = std::max(top, std::abs(x[r * k + p]));
       for (int64_t p = start; p < end; ++p) top = x[r * k + p] != x[r * k + p] ? x[r * k + p] : top;  // NaN
-      const float scale = top / 32767.0f, inverse = scale > 0.0f && scale <= 3.4e38f ? 1.0f / scale : 0.0f;
+      const float scale = top / 32767.0f;
       xs[r * blocks + b] = scale;
       for (int64_t p = start; p < start + kQBlock; ++p) {
-        const float v = p < end ? x[r * k + p] * inverse : 0.0f;
-        const float rounded = v < 0.0f ? v - 0.5f : v + 0.5f;
-        xq[r * kp + p] = v == v ? static_cast<int16_t>(std::clamp(rounded, -32767.0f, 32767.0f)) : 0;
+        const float v = p < end && scale > 0.0f ? std::nearbyint(x[r * k + p] / scale) : 0.0f;  // NaN scale: 0
+        xq[r * kp + p] = v == v ? static_cast<int16_t>(std::clamp(v, -32767.0f, 32767.0f)) : 0;
       }
     }
   }

@@ -5,7 +5,7 @@ through XLA's FFI once `library.load` has built and registered it.
 (`core.model.linear`), so that a params tree with packed weights runs through the kernel without a switch.
 `pack_gated` packs an MLP's gate and up projections as one product that gives silu(gate) x up. `quantize` turns
 packed float32 panels into int8 ones with a scale per block of 32 inputs of each column (llama.cpp's Q8_0, to the
-bit), a quarter of the memory and of the bytes that bound a one-row product.
+bit): 1.125 bytes a weight instead of 4, the bytes that bound a one-row product.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ class Packed:
     """One weight [*out, *in], or several sharing their input dims, as panels [ceil(out / PANEL), in, PANEL] of
     PANEL output columns each (the last zero-padded): each panel is one contiguous stream for the kernel. Several
     weights are one product, whose output `matmul` splits again (their out shapes: `out_shapes`). `gated`: a
-    gate and an up projection (`pack_gated`), one output. Quantized (`quantize`): int8 panels, and `scales`
-    [panels, ceil(in / Q_BLOCK), PANEL], each column's scale for each block of Q_BLOCK inputs."""
+    gate and an up projection (`pack_gated`), one output. Quantized (`quantize`): int8 panels [panels, in padded to
+    whole blocks of Q_BLOCK, PANEL] holding their inputs in pairs, column by column, and `scales` [panels, blocks,
+    PANEL], each column's scale for each block."""
 
     panels: jax.Array
     out_shapes: tuple[tuple[int, ...], ...] = dataclasses.field(metadata={"static": True})
@@ -66,17 +67,21 @@ def pack_gated(gate: jax.Array, up: jax.Array) -> Packed:
     return Packed(jnp.concatenate([gate, up], axis=1).transpose(0, 2, 1), ((hidden,),), gated=True)
 
 
-@jax.jit
 def quantize(w: Packed) -> Packed:
     """Float32 panels -> int8 ones and their scales, as llama.cpp quantizes a row of Q8_0 (ggml-quants.c, to the
     bit): per block of Q_BLOCK inputs of a column, scale = max |w| / 127 (stored as float16, here in float32) and
-    q = w / that scale before its rounding to float16, rounded half away from zero. The inputs are padded with
-    zeros to whole blocks and stored in pairs, column by column ([panels, in / 2, PANEL, 2]), as the kernel
+    q = w x (1 / that scale before its rounding to float16), rounded half away from zero. The inputs are padded
+    with zeros to whole blocks and stored in pairs, column by column ([panels, in / 2, PANEL, 2]), as the kernel
     reads them."""
+    return _quantize(w, jnp.float32(127))  # a divisor XLA sees as a constant becomes a multiply by its inverse
+
+
+@jax.jit
+def _quantize(w: Packed, top: jax.Array) -> Packed:
     n, k, cols = w.panels.shape
     blocks = -(-k // Q_BLOCK)
     padded = jnp.pad(w.panels, ((0, 0), (0, blocks * Q_BLOCK - k), (0, 0))).reshape(n, blocks, Q_BLOCK, cols)
-    scale = jnp.max(jnp.abs(padded), axis=2, keepdims=True) / 127
+    scale = jnp.max(jnp.abs(padded), axis=2, keepdims=True) / top
     inverse = jnp.where(scale == 0, 0, 1 / jnp.where(scale == 0, 1, scale))
     scaled = jnp.abs(padded * inverse)
     q = jnp.sign(padded) * (jnp.floor(scaled) + jnp.floor(2 * (scaled - jnp.floor(scaled))))  # ggml's roundf
@@ -86,8 +91,8 @@ def quantize(w: Packed) -> Packed:
 
 
 def dequantize(w: Packed) -> np.ndarray:
-    """A quantized Packed's weight as float32 [panels * PANEL, in padded to whole blocks] (out, in): what its
-    products multiply by."""
+    """A quantized Packed's weight as float32 [panels * PANEL, in padded to whole blocks]: what its products
+    multiply by, a row per column of its panels (for a single weight, its (out, in) layout with padding)."""
     n, kp, cols = w.panels.shape
     q = np.asarray(w.panels).reshape(n, kp // 2, cols, 2).transpose(0, 1, 3, 2).reshape(n, kp // Q_BLOCK, Q_BLOCK, cols)
     weights = q.astype(np.float32) * np.asarray(w.scales)[:, :, None, :]

@@ -53,7 +53,7 @@ def input_error_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return half_step @ w_blocks.T * 1.01 + 1e-5 * np.abs(x) @ np.abs(w.astype(np.float64)).T + 1e-6
 
 
-@pytest.mark.parametrize("n_out, n_in", [(100, 96), (576, 1536), (17, 64)])
+@pytest.mark.parametrize("n_out, n_in", [(100, 96), (576, 1536), (17, 64), (2048, 2048)])
 def test_quantized_weights_are_ggml_q8_0_to_the_bit(n_out, n_in):
     w = weights(np.random.default_rng(n_out), n_out, n_in)
     packed = matmul.quantize(matmul.pack(jnp.asarray(w)))
@@ -112,7 +112,7 @@ def test_a_nan_input_spoils_its_own_row_only():
     x[1, 10] = np.nan
     packed = matmul.quantize(matmul.pack(jnp.asarray(weights(rng, 16, 64))))
     got = np.asarray(matmul.matmul(jnp.asarray(x), packed))
-    assert np.isnan(got[1, 1:]).all() and np.isfinite(got[[0, 2]]).all()
+    assert np.isnan(got[1]).all() and np.isfinite(got[[0, 2]]).all()
 
 
 def test_pack_weights_quantizes_every_product():
