@@ -1,7 +1,7 @@
 """Products against int8 weights (`matmul.quantize`, llama.cpp's Q8_0): the weights against the `gguf` package's
 Q8_0 quantizer (ggml's reference, to the bit), the products against numpy (float64) on those weights within the
-error that quantizing the inputs to int16 allows, a row's result whatever shares its call, and an engine on
-quantized weights against the full forward pass on the same weights."""
+error that quantizing the inputs to int16 allows, a row's result whatever shares its call, and engines on
+quantized weights (a tiny model, the real SmolLM2) against float32 runs over gguf's Q8_0 weights."""
 
 import shutil
 
@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
+from jaxllama.core.checkpoint import load_checkpoint
 from jaxllama.core.model import PRODUCT_IN_DIMS, pack_weights
 from jaxllama.core.sharding import make_mesh
-from jaxllama.engine.engine import Engine
+from jaxllama.engine.engine import Engine, Request
+from jaxllama.engine.sampling import SamplingParams
 from jaxllama.kernels import library, matmul
 from tests.engine.conftest import spread_params, tiny_config
 from tests.engine.test_engine import EOS, greedy_requests, reference_greedy, run
@@ -155,6 +157,24 @@ def test_engine_on_quantized_weights_matches_the_forward_pass_on_them():
     assert tokens == expected
     unquantized = {r.id: reference_greedy(config, params, r.prompt, r.params.max_tokens) for r in greedy_requests()}
     assert unquantized != expected  # the quantized weights change some tokens: the engine did use them
+
+
+def test_smollm2_on_quantized_weights_matches_float32_on_gguf_q8_0_weights(smollm2_checkpoint):
+    """The real model: greedy tokens of a quantize='q8_0' engine equal a float32 engine's over the same weights
+    quantized by gguf (the output projection quantized, the embedding lookup not, as the kernels run it)."""
+    config, params = load_checkpoint(smollm2_checkpoint)
+    reference = with_q8_0_weights(params)
+    reference["output"] = jnp.asarray(q8_0(np.asarray(params["embedding"])))  # tied: the lookup stays float32
+    mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
+    prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173], [504, 3458, 282, 4990, 314], [28, 253, 1345, 30]]
+
+    def greedy(engine):
+        requests = [Request(i, p, SamplingParams(max_tokens=24, temperature=0.0)) for i, p in enumerate(prompts)]
+        return run(engine, requests)[0]
+
+    quantized = greedy(Engine(config, params, mesh, max_slots=4, quantize="q8_0"))
+    assert quantized == greedy(Engine(config, reference, mesh, max_slots=4))
+    assert quantized != greedy(Engine(config, params, mesh, max_slots=4))  # the quantized weights change tokens
 
 
 def test_quantize_asks_for_a_known_format_and_the_cpu_kernels():
