@@ -48,14 +48,19 @@ def run_peer(name: str, job: Path, *args: str) -> dict:
         return {**json.loads(out.read().strip().splitlines()[-1]), "peak_rss": peak}
 
 
-def roofline(warm: dict, config: ModelConfig, bytes_per_param: int = 4) -> str:
+# Bytes per weight a decode step reads: float32, or int8 with a float32 scale per 32 (`--quantize q8_0`).
+BYTES_PER_PARAM = {None: 4, "q8_0": 1.125}
+
+
+def roofline(warm: dict, config: ModelConfig, flops: float, bandwidth: float, quantize: str | None = None) -> str:
     """Decode: the model's matmul FLOPs per generated token; every decode step reads every weight once."""
-    flops, bandwidth = matmul_flops(), memory_bandwidth()
+    bytes_per_param = BYTES_PER_PARAM[quantize]
     steps_per_s = warm["decode_steps"] / max(1e-9, warm["hosts"][0]["decode_s"])
     achieved_flops = config.flops_per_token() * warm["decode_tokens_per_s"]
     achieved_bytes = config.n_params * bytes_per_param * steps_per_s
+    name = f"jaxllama {quantize}" if quantize else "jaxllama"
     return (
-        f"roofline (jaxllama warm decode): {achieved_flops / 1e9:.1f} GFLOP/s of a measured {flops / 1e9:.0f} "
+        f"roofline ({name} warm decode): {achieved_flops / 1e9:.1f} GFLOP/s of a measured {flops / 1e9:.0f} "
         f"GFLOP/s float32 matmul peak ({100 * achieved_flops / flops:.0f}%); weights read at "
         f"{achieved_bytes / 1e9:.1f} GB/s of a measured {bandwidth / 1e9:.1f} GB/s "
         f"({100 * achieved_bytes / bandwidth:.0f}%)"
@@ -84,7 +89,7 @@ def main(
             results[f"jaxllama {quantize} warm"] = run_jaxllama(job, cache, max_batch, quantize)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    cold, warm = results["jaxllama cold"], results["jaxllama warm"]
+    warm = results["jaxllama warm"]
     if "hf" not in skip:
         results[f"HF transformers batch {hf_batch}"] = run_peer("hf", job, "--batch", str(hf_batch))
     if "llamacpp" not in skip and importlib.util.find_spec("llama_cpp"):
@@ -101,15 +106,16 @@ def main(
         line += f"{ttft_s:>10.1f} {r['wall_s']:>7.1f} {r['peak_rss'] / 2**20:>8.0f}"
         line += "".join(f"  {r['output_tokens_per_s'] / results[p]['output_tokens_per_s']:>8.2f}x" for p in peers)
         print(line)
-    for variant in ("", *([f" {quantize}"] if quantize else [])):
-        cold, warm = results[f"jaxllama{variant} cold"], results[f"jaxllama{variant} warm"]
+    flops, bandwidth = matmul_flops(), memory_bandwidth()
+    for variant in (None, *([quantize] if quantize else [])):
+        name = f"jaxllama {variant}" if variant else "jaxllama"
+        cold, warm = results[f"{name} cold"], results[f"{name} warm"]
         print(
-            f"jaxllama{variant}: compile {cold['compile_s']:.1f} s cold, {warm['compile_s']:.1f} s warm; warm "
-            f"prefill {warm['prefill_tokens_per_s']} tok/s, decode {warm['decode_tokens_per_s']} tok/s, slot "
-            f"occupancy {100 * warm['slot_occupancy']:.0f}%"
+            f"{name}: compile {cold['compile_s']:.1f} s cold, {warm['compile_s']:.1f} s warm; warm prefill "
+            f"{warm['prefill_tokens_per_s']} tok/s, decode {warm['decode_tokens_per_s']} tok/s, slot occupancy "
+            f"{100 * warm['slot_occupancy']:.0f}%"
         )
-    cold, warm = results["jaxllama cold"], results["jaxllama warm"]
-    print(roofline(warm, config))
+        print(roofline(warm, config, flops, bandwidth, variant))
 
 
 if __name__ == "__main__":
