@@ -107,21 +107,29 @@ void QuantizedTile(const int16_t* xq, const float* xs, int64_t kp, const int8_t*
 }
 
 // xq[rows, kp] and xs[rows, kp / kQBlock] for x[rows, k] (`QuantizedTile`): per row and block, scale = max |x| /
-// 32767 and xq = x / scale rounded to nearest; 0 past k. A NaN or infinite input makes its block's scale NaN or
+// 32767 and xq = x / scale rounded to nearest; 0 past k. Written as loops the compiler vectorizes: done one value at
+// a time (a division and a rounding call each), it took a sixth of a 32-row product's time. A NaN or infinite input makes its block's scale NaN or
 // infinite, and its row's outputs NaN.
 void QuantizeRows(const float* x, int64_t rows, int64_t k, int64_t kp, int16_t* xq, float* xs) {
   const int64_t blocks = kp / kQBlock;
+  constexpr float kRound = 12582912.0f;  // 1.5 x 2^23: (v + kRound) - kRound rounds |v| < 2^22 to nearest, even
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t start = b * kQBlock, end = std::min(k, start + kQBlock);
+    for (int64_t b = 0; b < blocks; ++b) {  // loops over a block's kQBlock values, which the compiler vectorizes
+      float v[kQBlock];
+      const int64_t start = b * kQBlock, n = std::min(k - start, kQBlock);
+      for (int64_t i = 0; i < kQBlock; ++i) v[i] = i < n ? x[r * k + start + i] : 0.0f;
       float top = 0.0f;
-      for (int64_t p = start; p < end; ++p) top = std::max(top, std::abs(x[r * k + p]));
-      for (int64_t p = start; p < end; ++p) top = x[r * k + p] != x[r * k + p] ? x[r * k + p] : top;  // NaN
-      const float scale = top / 32767.0f;
+      bool nan = false;
+      for (int64_t i = 0; i < kQBlock; ++i) {
+        top = std::max(top, std::abs(v[i]));
+        nan |= v[i] != v[i];
+      }
+      const float scale = nan ? std::nanf("") : top / 32767.0f;
       xs[r * blocks + b] = scale;
-      for (int64_t p = start; p < start + kQBlock; ++p) {
-        const float v = p < end && scale > 0.0f ? std::nearbyint(x[r * k + p] / scale) : 0.0f;  // NaN scale: 0
-        xq[r * kp + p] = v == v ? static_cast<int16_t>(std::clamp(v, -32767.0f, 32767.0f)) : 0;
+      const bool usable = scale > 0.0f && scale <= 3.4e38f;  // else (0, NaN or inf) the inputs count as 0
+      for (int64_t i = 0; i < kQBlock; ++i) {
+        const float q = usable ? std::min(std::max((v[i] / scale + kRound) - kRound, -32767.0f), 32767.0f) : 0.0f;
+        xq[r * kp + start + i] = static_cast<int16_t>(static_cast<int32_t>(q));
       }
     }
   }
