@@ -171,7 +171,6 @@ class Engine:
                 f"quantize={quantize!r} runs through the CPU kernels: one CPU device, float32 weights "
                 f"(here: {jax.default_backend()}, {mesh.size} device(s), {self.dtype})"
             )
-        self.quantize = quantize
         # One device of the default backend in one process: programs can be kept exported (`programs.py`).
         platform = mesh.devices.flat[0].platform
         self._one_device = mesh.size == 1 and jax.process_count() == 1 and platform == jax.default_backend()

@@ -107,9 +107,9 @@ void QuantizedTile(const int16_t* xq, const float* xs, int64_t kp, const int8_t*
 }
 
 // xq[rows, kp] and xs[rows, kp / kQBlock] for x[rows, k] (`QuantizedTile`): per row and block, scale = max |x| /
-// 32767 and xq = x / scale rounded to nearest; 0 past k. Written as loops the compiler vectorizes: done one value at
-// a time (a division and a rounding call each), it took a sixth of a 32-row product's time. A NaN or infinite input makes its block's scale NaN or
-// infinite, and its row's outputs NaN.
+// 32767 and xq = x / scale rounded to nearest; 0 past k. A NaN or infinite input makes its block's scale NaN or
+// infinite, and its row's outputs NaN. Written as loops the compiler vectorizes: done one value at a time (a
+// division and a rounding call each), it took a sixth of a 32-row product's time.
 void QuantizeRows(const float* x, int64_t rows, int64_t k, int64_t kp, int16_t* xq, float* xs) {
   const int64_t blocks = kp / kQBlock;
   constexpr float kRound = 12582912.0f;  // 1.5 x 2^23: (v + kRound) - kRound rounds |v| < 2^22 to nearest, even
