@@ -31,7 +31,7 @@ TARGETS = {
     matmul.GATED_TARGET: "JaxllamaGatedMatmul",
     row_stats.TARGET: "JaxllamaRowStats",
 }
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-Wno-psabi")
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,8 @@ def build(folder: Path) -> Path:
     include = jax.ffi.include_dir()
     key = hashlib.sha256()
     sources = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
-    for part in (*sources, version.encode(), " ".join(FLAGS).encode(), _headers(include), _cpu().encode()):
+    command = " ".join([*compiler, *FLAGS]).encode()
+    for part in (*sources, version.encode(), command, _headers(include), _cpu().encode()):
         key.update(part)
     target = folder / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():

@@ -12,6 +12,8 @@
 // the float product), then add it in float times the two scales. As in float32, each row is computed on its own,
 // in the same order, whatever rows share its call. XLA FFI handlers (`ffi.h`).
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -25,85 +27,123 @@ namespace {
 using jaxllama::kLanes;
 using jaxllama::Vec;
 
-constexpr int64_t kPanel = 2 * kLanes;  // output columns per panel: two vectors
-constexpr int64_t kTile = 4;     // rows per tile: 4 x 2 vector accumulators, 2 weight vectors, 1 broadcast
+// The vectors a tile computes in: AVX-512's where the CPU has them, else `vec.h`'s eight floats. A panel's row is
+// kParts of them.
+#if defined(JAXLLAMA_WIDE)
+using Reg = jaxllama::Wide;
+using RegInts = jaxllama::WideInts;
+using RegShorts = jaxllama::WideShorts;
+inline RegShorts LoadPairs(const int8_t* p) { return jaxllama::LoadWideBytes(p); }
+#else
+using Reg = Vec;
+using RegInts = jaxllama::Ints;
+using RegShorts = jaxllama::Shorts;
+inline RegShorts LoadPairs(const int8_t* p) { return jaxllama::LoadBytes(p); }
+#endif
+constexpr int64_t kRegLanes = sizeof(Reg) / sizeof(float);
+
+constexpr int64_t kPanel = 2 * kLanes;  // output columns per panel; a gated one: kLanes gate and kLanes up columns
+constexpr int64_t kParts = kPanel / kRegLanes;  // vectors per row of a panel
+// A tile: kTile rows x kTilePanels panels of accumulators, the most that leave registers for the weights and a
+// broadcast (AVX-512: 16 of 32 registers; AVX: 8 of 16). A quantized tile keeps an int32 and a float32 accumulator
+// for each.
+#if defined(JAXLLAMA_WIDE)
+constexpr int64_t kTile = 8, kTilePanels = 2, kQTile = 4, kQTilePanels = 2;
+#else
+constexpr int64_t kTile = 4, kTilePanels = 1, kQTile = 4, kQTilePanels = 1;
+#endif
 constexpr int64_t kBlock = 48;   // rows whose inputs stay in cache (L2) while the panels stream past them
 constexpr int64_t kMinShared = 1 << 16;  // rows x in x panel columns below which one thread does it all
 constexpr int64_t kQBlock = 32;  // inputs per scale of a quantized weight
 constexpr int64_t kAhead = 1024;  // bytes of a panel fetched ahead of the tile: one thread's stream from memory
                                   // is bound by latency (a one-row quantized product: 6.2 -> 8.7 G weights/s)
 
-// One row of a tile's output from its two accumulators: `width` <= kPanel columns, or (kGated) silu(the first
-// kLanes columns) x the last kLanes, `width` <= kLanes.
+// One row of a panel's output from its kParts (1 or 2) accumulators, `first` and `last`: `width` <= kPanel columns,
+// or (kGated) silu(the first kLanes columns) x the last kLanes, `width` <= kLanes. (Taking the accumulators'
+// address instead keeps them in memory throughout the tile's loop.)
 template <bool kGated>
-void Store(const Vec& lo, const Vec& hi, float* out, int64_t width) {
+void Store(Reg first, Reg last, float* out, int64_t width) {
+  static_assert(kParts == 1 || kParts == 2);
+  float row[kPanel];
+  std::memcpy(row, &first, sizeof(Reg));
+  if (kParts == 2) std::memcpy(row + kRegLanes, &last, sizeof(Reg));
   if (kGated) {
-    const Vec y = jaxllama::SiluTimes(lo, hi);
+    Vec gate, up;
+    std::memcpy(&gate, row, sizeof(Vec));
+    std::memcpy(&up, row + kLanes, sizeof(Vec));
+    const Vec y = jaxllama::SiluTimes(gate, up);
     std::memcpy(out, &y, width * sizeof(float));
-  } else if (width == kPanel) {
-    std::memcpy(out, &lo, sizeof(Vec));
-    std::memcpy(out + kLanes, &hi, sizeof(Vec));
-  } else {  // the last panel of an output whose width is not a multiple of kPanel
-    float row[kPanel];
-    std::memcpy(row, &lo, sizeof(Vec));
-    std::memcpy(row + kLanes, &hi, sizeof(Vec));
+  } else {
     std::memcpy(out, row, width * sizeof(float));
   }
 }
 
-// out[rows, kPanel] (stride ldo) = x[rows, k] (stride ldx) @ panel[k, kPanel]; `width` <= kPanel columns stored.
-// kGated: out[rows, kLanes] = silu(the first kLanes columns) x the last kLanes; `width` <= kLanes.
-template <int kRows, bool kGated>
-void Tile(const float* x, int64_t ldx, const float* panel, int64_t k, float* out, int64_t ldo, int64_t width) {
-  Vec acc[kRows][2] = {};
-  for (int64_t p = 0; p < k; ++p) {
-    __builtin_prefetch(panel + p * kPanel + kAhead / sizeof(float));
-    Vec w0, w1;
-    std::memcpy(&w0, panel + p * kPanel, sizeof(Vec));
-    std::memcpy(&w1, panel + p * kPanel + kLanes, sizeof(Vec));
-    for (int i = 0; i < kRows; ++i) {
-      const float s = x[i * ldx + p];
-      const Vec a = {s, s, s, s, s, s, s, s};  // a broadcast (`Vec{} + s` would also add a zero)
-      acc[i][0] += a * w0;
-      acc[i][1] += a * w1;
-    }
-  }
-  for (int i = 0; i < kRows; ++i) Store<kGated>(acc[i][0], acc[i][1], out + i * ldo, width);
+// The columns of an output n columns wide (kOut per panel) in panel p.
+inline int64_t Width(int64_t n, int64_t out_per_panel, int64_t p) {
+  return std::max<int64_t>(0, std::min(out_per_panel, n - p * out_per_panel));
 }
 
-// Tile for a quantized panel: out[rows, kPanel] = x @ the panel, x given as xq[rows, kp] (int16, stride kp) times
-// each block's xs[rows, kp / kQBlock]; the panel as q[kp / 2, kPanel, 2] (int8: pairs of inputs, column by column,
-// as pmaddwd reads them) times each block's scales[kp / kQBlock, kPanel]. kp: the inputs padded to whole blocks.
-template <int kRows, bool kGated>
-void QuantizedTile(const int16_t* xq, const float* xs, int64_t kp, const int8_t* q, const float* scales, float* out,
-                   int64_t ldo, int64_t width) {
-  using jaxllama::Ints;
-  using jaxllama::Shorts;
-  const int64_t blocks = kp / kQBlock;
-  Vec acc[kRows][2] = {};
-  for (int64_t b = 0; b < blocks; ++b) {
-    Ints part[kRows][2] = {};
-    for (int64_t p = b * kQBlock; p < (b + 1) * kQBlock; p += 2) {
-      __builtin_prefetch(q + p * kPanel + kAhead);
-      const Shorts w0 = jaxllama::LoadBytes(q + p * kPanel), w1 = jaxllama::LoadBytes(q + p * kPanel + kPanel);
-      for (int i = 0; i < kRows; ++i) {
-        int32_t pair;  // x's inputs p and p + 1, in every pair of lanes
-        std::memcpy(&pair, xq + i * kp + p, sizeof(pair));
-        const Ints a = {pair, pair, pair, pair, pair, pair, pair, pair};
-        part[i][0] = jaxllama::MultiplyAddPairs(part[i][0], a, w0);
-        part[i][1] = jaxllama::MultiplyAddPairs(part[i][1], a, w1);
-      }
+// out[rows, kPanels x kOut] (stride ldo) = x[rows, k] (stride ldx) @ kPanels panels [k, kPanel] (stride k x kPanel)
+// from panel p of an output n columns wide; kGated: silu(each panel's first kLanes columns) x its last kLanes.
+template <int kRows, int kPanels, bool kGated>
+void Tile(const float* x, int64_t ldx, const float* w, int64_t k, float* out, int64_t ldo, int64_t n, int64_t p) {
+  constexpr int64_t kOut = kGated ? kLanes : kPanel;
+  Reg acc[kRows][kPanels * kParts] = {};
+  for (int64_t i = 0; i < k; ++i) {
+    Reg panel[kPanels * kParts];
+    for (int j = 0; j < kPanels; ++j) {
+      const float* row = w + j * k * kPanel + i * kPanel;
+      __builtin_prefetch(row + kAhead / sizeof(float));
+      for (int h = 0; h < kParts; ++h) std::memcpy(&panel[j * kParts + h], row + h * kRegLanes, sizeof(Reg));
     }
-    Vec s0, s1;
-    std::memcpy(&s0, scales + b * kPanel, sizeof(Vec));
-    std::memcpy(&s1, scales + b * kPanel + kLanes, sizeof(Vec));
-    for (int i = 0; i < kRows; ++i) {
-      const float x_scale = xs[i * blocks + b];
-      acc[i][0] += __builtin_convertvector(part[i][0], Vec) * (s0 * x_scale);
-      acc[i][1] += __builtin_convertvector(part[i][1], Vec) * (s1 * x_scale);
+    for (int r = 0; r < kRows; ++r) {
+      const Reg a = jaxllama::Splat<Reg>(x[r * ldx + i]);
+      for (int j = 0; j < kPanels * kParts; ++j) acc[r][j] += a * panel[j];
     }
   }
-  for (int i = 0; i < kRows; ++i) Store<kGated>(acc[i][0], acc[i][1], out + i * ldo, width);
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kPanels; ++j)
+      Store<kGated>(acc[r][j * kParts], acc[r][j * kParts + kParts - 1], out + r * ldo + j * kOut, Width(n, kOut, p + j));
+}
+
+// Tile for quantized panels: x given as xq[rows, kp] (int16, stride kp) times each block's xs[rows, kp / kQBlock];
+// each panel as q[kp / 2, kPanel, 2] (int8: pairs of inputs, column by column, as pmaddwd reads them; stride kp x
+// kPanel) times each block's scales[kp / kQBlock, kPanel]. kp: the inputs padded to whole blocks.
+template <int kRows, int kPanels, bool kGated>
+void QuantizedTile(const int16_t* xq, const float* xs, int64_t kp, const int8_t* q, const float* scales, float* out,
+                   int64_t ldo, int64_t n, int64_t p) {
+  constexpr int64_t kOut = kGated ? kLanes : kPanel;
+  const int64_t blocks = kp / kQBlock;
+  Reg acc[kRows][kPanels * kParts] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    RegInts part[kRows][kPanels * kParts] = {};
+    for (int64_t i = b * kQBlock; i < (b + 1) * kQBlock; i += 2) {
+      RegShorts panel[kPanels * kParts];
+      for (int j = 0; j < kPanels; ++j) {
+        const int8_t* pairs = q + j * kp * kPanel + i * kPanel;
+        __builtin_prefetch(pairs + kAhead);
+        for (int h = 0; h < kParts; ++h) panel[j * kParts + h] = LoadPairs(pairs + h * 2 * kRegLanes);
+      }
+      for (int r = 0; r < kRows; ++r) {
+        int32_t pair;  // x's inputs i and i + 1, in every pair of lanes
+        std::memcpy(&pair, xq + r * kp + i, sizeof(pair));
+        const RegInts a = jaxllama::Splat<RegInts>(pair);
+        for (int j = 0; j < kPanels * kParts; ++j) part[r][j] = jaxllama::MultiplyAddPairs(part[r][j], a, panel[j]);
+      }
+    }
+    Reg scale[kPanels * kParts];
+    for (int j = 0; j < kPanels; ++j)
+      for (int h = 0; h < kParts; ++h)
+        std::memcpy(&scale[j * kParts + h], scales + (j * blocks + b) * kPanel + h * kRegLanes, sizeof(Reg));
+    for (int r = 0; r < kRows; ++r) {
+      const float x_scale = xs[r * blocks + b];
+      for (int j = 0; j < kPanels * kParts; ++j)
+        acc[r][j] += __builtin_convertvector(part[r][j], Reg) * (scale[j] * x_scale);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kPanels; ++j)
+      Store<kGated>(acc[r][j * kParts], acc[r][j * kParts + kParts - 1], out + r * ldo + j * kOut, Width(n, kOut, p + j));
 }
 
 // xq[rows, kp] and xs[rows, kp / kQBlock] for x[rows, k] (`QuantizedTile`): per row and block, scale = max |x| /
@@ -135,14 +175,25 @@ void QuantizeRows(const float* x, int64_t rows, int64_t k, int64_t kp, int16_t* 
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
-template <bool kGated>
-constexpr TileFn kTiles[kTile + 1] = {nullptr, Tile<1, kGated>, Tile<2, kGated>, Tile<3, kGated>, Tile<4, kGated>};
-using QuantizedTileFn = void (*)(const int16_t*, const float*, int64_t, const int8_t*, const float*, float*,
+// Each tile shape's function: [panels - 1][rows - 1].
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, int64_t);
+using QuantizedTileFn = void (*)(const int16_t*, const float*, int64_t, const int8_t*, const float*, float*, int64_t,
                                  int64_t, int64_t);
+template <bool kGated, int kPanels, size_t... R>
+constexpr std::array<TileFn, sizeof...(R)> Tiles(std::index_sequence<R...>) {
+  return {Tile<R + 1, kPanels, kGated>...};
+}
+template <bool kGated, int kPanels, size_t... R>
+constexpr std::array<QuantizedTileFn, sizeof...(R)> QuantizedTiles(std::index_sequence<R...>) {
+  return {QuantizedTile<R + 1, kPanels, kGated>...};
+}
 template <bool kGated>
-constexpr QuantizedTileFn kQuantizedTiles[kTile + 1] = {nullptr, QuantizedTile<1, kGated>, QuantizedTile<2, kGated>,
-                                                         QuantizedTile<3, kGated>, QuantizedTile<4, kGated>};
+constexpr std::array<TileFn, kTile> kTiles[2] = {Tiles<kGated, 1>(std::make_index_sequence<kTile>{}),
+                                                 Tiles<kGated, kTilePanels>(std::make_index_sequence<kTile>{})};
+template <bool kGated>
+constexpr std::array<QuantizedTileFn, kQTile> kQuantizedTiles[2] = {
+    QuantizedTiles<kGated, 1>(std::make_index_sequence<kQTile>{}),
+    QuantizedTiles<kGated, kQTilePanels>(std::make_index_sequence<kQTile>{})};
 
 // Chunks: blocks of kBlock rows x groups of panels.
 template <bool kGated>
@@ -162,17 +213,19 @@ struct Product : jaxllama::Job {
     const int64_t r0 = (c / groups) * kBlock, r1 = std::min(rows, r0 + kBlock);
     const int64_t p0 = (c % groups) * per_group, p1 = std::min(panels, p0 + per_group);
     const int64_t blocks = kp / kQBlock;
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t width = std::min(kOut, n - p * kOut);
-      for (int64_t r = r0; r < r1; r += kTile) {
-        const int64_t tile = std::min(kTile, r1 - r);
+    const int64_t step = q ? kQTilePanels : kTilePanels, tile_rows = q ? kQTile : kTile;
+    for (int64_t p = p0; p < p1;) {
+      const bool whole = p + step <= p1;  // a tile of `step` panels, else of one
+      for (int64_t r = r0; r < r1; r += tile_rows) {
+        const int64_t tile = std::min(tile_rows, r1 - r);
         if (q) {
-          kQuantizedTiles<kGated>[tile](xq + r * kp, xs + r * blocks, kp, q + p * kp * kPanel,
-                                        scales + p * blocks * kPanel, out + r * n + p * kOut, n, width);
+          kQuantizedTiles<kGated>[whole][tile - 1](xq + r * kp, xs + r * blocks, kp, q + p * kp * kPanel,
+                                                   scales + p * blocks * kPanel, out + r * n + p * kOut, n, n, p);
         } else {
-          kTiles<kGated>[tile](x + r * k, k, w + p * k * kPanel, k, out + r * n + p * kOut, n, width);
+          kTiles<kGated>[whole][tile - 1](x + r * k, k, w + p * k * kPanel, k, out + r * n + p * kOut, n, n, p);
         }
       }
+      p += whole ? step : 1;
     }
   }
 };
@@ -212,7 +265,8 @@ XLA_FFI_Error* Handle(XLA_FFI_CallFrame* frame) {
 
   // About 64 chunks, so that two or more threads end together; whole blocks of rows, groups of panels.
   const int64_t blocks = (rows + kBlock - 1) / kBlock;
-  const int64_t per_group = std::max<int64_t>(1, panels * blocks / 64);
+  const int64_t step = quantized ? kQTilePanels : kTilePanels;  // panels per tile
+  const int64_t per_group = std::max<int64_t>(1, panels * blocks / 64 / step) * step;
   const int64_t groups = (panels + per_group - 1) / per_group;
   Product<kGated> job(blocks * groups, groups, per_group);
   job.x = static_cast<const float*>(x->data);

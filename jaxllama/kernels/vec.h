@@ -1,5 +1,5 @@
 // Vectors of eight floats and the little math the kernels do on them: GCC/Clang vector extensions, compiled to AVX,
-// NEON or scalar code per target.
+// NEON or scalar code per target, and AVX-512's vectors of sixteen where the CPU has them (`Wide`).
 #pragma once
 
 #include <cstdint>
@@ -37,6 +37,40 @@ inline Ints MultiplyAddPairs(Ints acc, Ints a, Shorts b) {
   for (int i = 0; i < kLanes; ++i) acc[i] += int32_t{s[2 * i]} * b[2 * i] + int32_t{s[2 * i + 1]} * b[2 * i + 1];
   return acc;
 #endif
+}
+
+// The widest vectors: AVX-512's, where the CPU has them (with its byte and word instructions).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define JAXLLAMA_WIDE 1
+typedef float Wide __attribute__((vector_size(64)));
+typedef int32_t WideInts __attribute__((vector_size(64)));
+typedef int16_t WideShorts __attribute__((vector_size(64)));
+
+// 2 x 16 int8 from p, as int16 lanes.
+inline WideShorts LoadWideBytes(const int8_t* p) {
+  return reinterpret_cast<WideShorts>(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+
+// acc + the products of a's and b's int16 lanes, each pair summed: VNNI's vpdpwssd, else vpmaddwd and an add.
+inline WideInts MultiplyAddPairs(WideInts acc, WideInts a, WideShorts b) {
+#if defined(__AVX512VNNI__)
+  return reinterpret_cast<WideInts>(
+      _mm512_dpwssd_epi32(reinterpret_cast<__m512i>(acc), reinterpret_cast<__m512i>(a), reinterpret_cast<__m512i>(b)));
+#else
+  return acc + reinterpret_cast<WideInts>(_mm512_madd_epi16(reinterpret_cast<__m512i>(a), reinterpret_cast<__m512i>(b)));
+#endif
+}
+#endif
+
+// A vector of V's type with every lane s: one broadcast (`V{} + s` would also add a zero).
+template <typename V, typename S>
+inline V Splat(S s) {
+  if constexpr (sizeof(V) / sizeof(S) == 16) {
+    return V{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+  } else {
+    static_assert(sizeof(V) / sizeof(S) == 8);
+    return V{s, s, s, s, s, s, s, s};
+  }
 }
 
 // e^x for x <= 0, lane by lane: 2^n x e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its degree-6 Taylor
