@@ -51,7 +51,8 @@ def main(rows: str = "1,32,64,512", repeat: int = 20, shapes: str = ",".join(SHA
     if not library.load(cache_dir() / "kernels"):
         raise SystemExit("the CPU kernels could not be built")
     rng = np.random.default_rng(0)
-    print(f"{'shape':>8} {'rows':>5} | {'f32 ms':>8} {'GFLOP/s':>8} | {'q8_0 ms':>8} {'GOP/s':>8} | {'numpy ms':>8} {'GFLOP/s':>8}")
+    head = ("shape", "rows", "f32 ms", "GFLOP/s", "q8_0 ms", "GOP/s", "numpy ms", "GFLOP/s")
+    print("{:>8} {:>5} | {:>8} {:>8} | {:>8} {:>8} | {:>8} {:>8}".format(*head))
     for name in _list(shapes):
         n_in, n_out = SHAPES[name]
         w = jnp.asarray(rng.standard_normal((2 * n_out if name == "gate_up" else n_out, n_in), np.float32) * 0.02)
@@ -64,11 +65,9 @@ def main(rows: str = "1,32,64,512", repeat: int = 20, shapes: str = ",".join(SHA
             f32 = _time(_chain(packed, repeat), x) / repeat
             q8 = _time(_chain(quantized, repeat), x) / repeat
             xn = np.asarray(x)
-            ref = _time(lambda xn=xn: [xn @ wn for _ in range(repeat)]) / repeat
-            print(
-                f"{name:>8} {m:>5} | {f32 * 1e3:8.3f} {flop / f32 / 1e9:8.1f} | {q8 * 1e3:8.3f} {flop / q8 / 1e9:8.1f} |"
-                f" {ref * 1e3:8.3f} {flop / ref / 1e9:8.1f}"
-            )
+            ref = _time(lambda xn=xn, wn=wn: [xn @ wn for _ in range(repeat)]) / repeat
+            times = (f32 * 1e3, flop / f32 / 1e9, q8 * 1e3, flop / q8 / 1e9, ref * 1e3, flop / ref / 1e9)
+            print("{:>8} {:>5} | {:8.3f} {:8.1f} | {:8.3f} {:8.1f} | {:8.3f} {:8.1f}".format(name, m, *times))
 
 
 if __name__ == "__main__":
