@@ -1,5 +1,6 @@
-"""The CPU matmul kernel alone at SmolLM2's product shapes: ms per call and GFLOP/s for float32 and int8 (q8_0)
-panels, against numpy's (OpenBLAS) product of the same shape, each call timed in a jitted chain of `repeat` calls.
+"""The CPU matmul kernel alone at SmolLM2's product shapes: ms per call and G(FL)OP/s for float32 panels and each
+quantized format (`matmul.QUANTIZATIONS`), against numpy's (OpenBLAS) product of the same shape, each call timed in
+a jitted chain of `repeat` calls.
 
     python -m benchmarks.matmul_bench [--rows 1,32,64,512] [--repeat 20]
 """
@@ -51,23 +52,21 @@ def main(rows: str = "1,32,64,512", repeat: int = 20, shapes: str = ",".join(SHA
     if not library.load(cache_dir() / "kernels"):
         raise SystemExit("the CPU kernels could not be built")
     rng = np.random.default_rng(0)
-    head = ("shape", "rows", "f32 ms", "GFLOP/s", "q8_0 ms", "GOP/s", "numpy ms", "GFLOP/s")
-    print("{:>8} {:>5} | {:>8} {:>8} | {:>8} {:>8} | {:>8} {:>8}".format(*head))
+    formats = ("float32", *matmul.QUANTIZATIONS, "numpy")
+    print(f"{'shape':>8} {'rows':>5}" + "".join(f" | {name + ' ms':>12} {'G(FL)OP/s':>9}" for name in formats))
     for name in _list(shapes):
         n_in, n_out = SHAPES[name]
         w = jnp.asarray(rng.standard_normal((2 * n_out if name == "gate_up" else n_out, n_in), np.float32) * 0.02)
         packed = matmul.pack_gated(w[:n_out], w[n_out:]) if name == "gate_up" else matmul.pack(w)
-        quantized = matmul.quantize(packed)
+        products = [packed, *(matmul.quantize(packed, name) for name in matmul.QUANTIZATIONS)]
         wn = np.asarray(w).T.copy()
         for m in map(int, _list(rows)):
             x = jnp.asarray(rng.standard_normal((m, n_in), np.float32))
             flop = 2 * m * wn.shape[0] * wn.shape[1]
-            f32 = _time(_chain(packed, repeat), x) / repeat
-            q8 = _time(_chain(quantized, repeat), x) / repeat
+            times = [_time(_chain(p, repeat), x) / repeat for p in products]
             xn = np.asarray(x)
-            ref = _time(lambda xn=xn, wn=wn: [xn @ wn for _ in range(repeat)]) / repeat
-            times = (f32 * 1e3, flop / f32 / 1e9, q8 * 1e3, flop / q8 / 1e9, ref * 1e3, flop / ref / 1e9)
-            print("{:>8} {:>5} | {:8.3f} {:8.1f} | {:8.3f} {:8.1f} | {:8.3f} {:8.1f}".format(name, m, *times))
+            times.append(_time(lambda xn=xn, wn=wn: [xn @ wn for _ in range(repeat)]) / repeat)
+            print(f"{name:>8} {m:>5}" + "".join(f" | {t * 1e3:12.3f} {flop / t / 1e9:9.1f}" for t in times))
 
 
 if __name__ == "__main__":

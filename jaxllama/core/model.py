@@ -32,7 +32,8 @@ import numpy as np
 
 from jaxllama.core.config import ModelConfig
 from jaxllama.kernels.decode_attention import decode_attention
-from jaxllama.kernels.matmul import Packed, matmul, pack, pack_gated, quantize
+from jaxllama.kernels.matmul import Packed, matmul, pack, pack_gated
+from jaxllama.kernels.matmul import quantize as _quantize
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v); see `cache_shapes`
 
@@ -223,11 +224,12 @@ FUSED_PRODUCTS = {"wqkv": ("wq", "wk", "wv")}
 GATED_PRODUCTS = {"w13": ("w1", "w3")}
 
 
-def pack_weights(params, c: ModelConfig, quantized: bool = False):
+def pack_weights(params, c: ModelConfig, quantize: str | None = None):
     """params (the whole tree, or the layers' or outer part of it) with every product's weight packed for the CPU
     matmul kernel (`kernels/matmul.py`), which `linear` then calls: the weights of one input fused as one product,
     the MLP's gate and up as one gated product, a tied model's embedding also packed as its `output`. Float32, on
-    one device; `quantized`: every packed weight then quantized to int8 blocks (`matmul.quantize`, Q8_0)."""
+    one device; `quantize` (one of `matmul.QUANTIZATIONS`): every packed weight then quantized to int8 blocks
+    (`matmul.quantize`, Q8_0)."""
 
     def walk(node):
         if isinstance(node, list):
@@ -249,8 +251,8 @@ def pack_weights(params, c: ModelConfig, quantized: bool = False):
     packed = walk(params)
     if isinstance(packed, dict) and c.tie_embeddings and "embedding" in packed:
         packed["output"] = pack(packed["embedding"])
-    if quantized:
-        packed = jax.tree.map(lambda w: quantize(w) if isinstance(w, Packed) else w, packed, is_leaf=_is_packed)
+    if quantize:
+        packed = jax.tree.map(lambda w: _quantize(w, quantize) if _is_packed(w) else w, packed, is_leaf=_is_packed)
     return packed
 
 

@@ -188,9 +188,8 @@ class Engine:
         self._runs = [(a, min(a + layers_per_program, n)) for a in range(0, n, layers_per_program)]
         self._run_params = [layer_params(params, config, a, b) for a, b in self._runs]
         if self._kernels:
-            quantized = quantize is not None
-            self._outer = pack_weights(self._outer, config, quantized)
-            self._run_params = [pack_weights(p, config, quantized) for p in self._run_params]
+            self._outer = pack_weights(self._outer, config, quantize)
+            self._run_params = [pack_weights(p, config, quantize) for p in self._run_params]
         self.state = self._initial_state()
         self.cache = kvcache.allocate(
             self.config, mesh, self.slots, kvcache.bucket(min_cache, self.max_context), self.dtype

@@ -7,10 +7,13 @@
 // rows (~0.25 ms of ~0.9).
 // Quantized weights (`matmul.py`'s `quantize`: int8, a float32 scale per column per block of kQBlock inputs, as
 // llama.cpp's Q8_0) take 1.125 bytes a weight instead of 4, the bytes that bound a one-row product. Their products
-// quantize each row of x to int16 per block (a scale per row and block) and sum each block in int32 (AVX2's
-// pmaddwd: 16 multiply-adds per instruction, where converting int8 weights to float took more instructions than
-// the float product), then add it in float times the two scales. As in float32, each row is computed on its own,
-// in the same order, whatever rows share its call. XLA FFI handlers (`ffi.h`).
+// quantize each row of x per block (a scale per row and block) and sum each block exactly in int32, then add it in
+// float times the two scales: "q8_0" quantizes x to int16 and sums by pmaddwd (16 multiply-adds an AVX2
+// instruction, 32 with AVX-512 VNNI's vpdpwssd); "w8a8" quantizes x to int8 as llama.cpp does (Q8_0) and sums by
+// vpdpbusd (64 multiply-adds an AVX-512 VNNI instruction, four times a float FMA's). As in float32, each row is
+// computed on its own, in the same order, whatever rows share its call. XLA FFI handlers (`ffi.h`).
+// On CPUs with AVX-512 the tiles compute in its 16-float registers, and a float32 tile of 8 rows x 2 panels keeps
+// 16 of the 32 as accumulators.
 #include <algorithm>
 #include <array>
 #include <utility>
@@ -106,29 +109,56 @@ void Tile(const float* x, int64_t ldx, const float* w, int64_t k, float* out, in
       Store<kGated>(acc[r][j * kParts], acc[r][j * kParts + kParts - 1], out + r * ldo + j * kOut, Width(n, kOut, p + j));
 }
 
-// Tile for quantized panels: x given as xq[rows, kp] (int16, stride kp) times each block's xs[rows, kp / kQBlock];
-// each panel as q[kp / 2, kPanel, 2] (int8: pairs of inputs, column by column, as pmaddwd reads them; stride kp x
-// kPanel) times each block's scales[kp / kQBlock, kPanel]. kp: the inputs padded to whole blocks.
-template <int kRows, int kPanels, bool kGated>
-void QuantizedTile(const int16_t* xq, const float* xs, int64_t kp, const int8_t* q, const float* scales, float* out,
-                   int64_t ldo, int64_t n, int64_t p) {
+// The two int8 weight formats. Pairs (`quantize(w, "q8_0")`): each column's inputs in pairs of int8, x as int16,
+// summed by pmaddwd (or VNNI's vpdpwssd). Quads (`"w8a8"`): each column's inputs in fours of unsigned bytes (the
+// int8 weight + 128), x as int8, summed by VNNI's vpdpbusd, which multiplies unsigned by signed bytes: a block's
+// sum then counts 128 x the sum of x's block too (kOffset), which is taken off.
+struct Pairs {
+  using Input = int16_t;
+  using Weights = RegShorts;
+  static constexpr int64_t kStep = 2;
+  static constexpr int32_t kOffset = 0;
+  static Weights Load(const int8_t* p) { return LoadPairs(p); }
+  static RegInts Dot(RegInts acc, RegInts x, Weights w) { return jaxllama::MultiplyAddPairs(acc, x, w); }
+};
+struct Quads {
+  using Input = int8_t;
+  using Weights = RegInts;
+  static constexpr int64_t kStep = 4;
+  static constexpr int32_t kOffset = 128;
+  static Weights Load(const int8_t* p) {
+    Weights w;
+    std::memcpy(&w, p, sizeof(w));
+    return w;
+  }
+  static RegInts Dot(RegInts acc, RegInts x, Weights w) { return jaxllama::DotBytes(acc, w, x); }
+};
+
+// Tile for quantized panels: x given as xq[rows, kp] (F::Input, stride kp) times each block's xs[rows, kp /
+// kQBlock] (and, for Quads, each block's sum xsum[rows, kp / kQBlock]); each panel as q[kp / kStep, kPanel, kStep]
+// (its inputs in groups of kStep, column by column; stride kp x kPanel) times each block's scales[kp / kQBlock,
+// kPanel]. kp: the inputs padded to whole blocks.
+template <typename F, int kRows, int kPanels, bool kGated>
+void QuantizedTile(const void* xq_data, const float* xs, const int32_t* xsum, int64_t kp, const int8_t* q,
+                   const float* scales, float* out, int64_t ldo, int64_t n, int64_t p) {
   constexpr int64_t kOut = kGated ? kLanes : kPanel;
+  const auto* xq = static_cast<const typename F::Input*>(xq_data);
   const int64_t blocks = kp / kQBlock;
   Reg acc[kRows][kPanels * kParts] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     RegInts part[kRows][kPanels * kParts] = {};
-    for (int64_t i = b * kQBlock; i < (b + 1) * kQBlock; i += 2) {
-      RegShorts panel[kPanels * kParts];
+    for (int64_t i = b * kQBlock; i < (b + 1) * kQBlock; i += F::kStep) {
+      typename F::Weights panel[kPanels * kParts];
       for (int j = 0; j < kPanels; ++j) {
-        const int8_t* pairs = q + j * kp * kPanel + i * kPanel;
-        __builtin_prefetch(pairs + kAhead);
-        for (int h = 0; h < kParts; ++h) panel[j * kParts + h] = LoadPairs(pairs + h * 2 * kRegLanes);
+        const int8_t* group = q + j * kp * kPanel + i * kPanel;
+        __builtin_prefetch(group + kAhead);
+        for (int h = 0; h < kParts; ++h) panel[j * kParts + h] = F::Load(group + h * F::kStep * kRegLanes);
       }
       for (int r = 0; r < kRows; ++r) {
-        int32_t pair;  // x's inputs i and i + 1, in every pair of lanes
-        std::memcpy(&pair, xq + r * kp + i, sizeof(pair));
-        const RegInts a = jaxllama::Splat<RegInts>(pair);
-        for (int j = 0; j < kPanels * kParts; ++j) part[r][j] = jaxllama::MultiplyAddPairs(part[r][j], a, panel[j]);
+        int32_t group;  // x's inputs i .. i + kStep, in every lane
+        std::memcpy(&group, xq + r * kp + i, sizeof(group));
+        const RegInts a = jaxllama::Splat<RegInts>(group);
+        for (int j = 0; j < kPanels * kParts; ++j) part[r][j] = F::Dot(part[r][j], a, panel[j]);
       }
     }
     Reg scale[kPanels * kParts];
@@ -137,8 +167,9 @@ void QuantizedTile(const int16_t* xq, const float* xs, int64_t kp, const int8_t*
         std::memcpy(&scale[j * kParts + h], scales + (j * blocks + b) * kPanel + h * kRegLanes, sizeof(Reg));
     for (int r = 0; r < kRows; ++r) {
       const float x_scale = xs[r * blocks + b];
+      const int32_t offset = F::kOffset ? F::kOffset * xsum[r * blocks + b] : 0;
       for (int j = 0; j < kPanels * kParts; ++j)
-        acc[r][j] += __builtin_convertvector(part[r][j], Reg) * (scale[j] * x_scale);
+        acc[r][j] += __builtin_convertvector(part[r][j] - offset, Reg) * (scale[j] * x_scale);
     }
   }
   for (int r = 0; r < kRows; ++r)
@@ -175,25 +206,82 @@ void QuantizeRows(const float* x, int64_t rows, int64_t k, int64_t kp, int16_t* 
   }
 }
 
-// Each tile shape's function: [panels - 1][rows - 1].
+// The largest |v| of a block, or NaN where one is NaN, in vector steps (a loop of std::max does not vectorize:
+// its order matters for NaN).
+inline float AbsMax(const float (&v)[kQBlock]) {
+  Vec top = {};
+  for (int64_t i = 0; i < kQBlock; i += kLanes) {
+    Vec a;
+    std::memcpy(&a, v + i, sizeof(a));
+    a = a < 0 ? -a : a;
+    top = a > top || a != a ? a : top;
+  }
+  float m = 0.0f;
+  for (int i = 0; i < kLanes; ++i) m = top[i] > m || top[i] != top[i] ? top[i] : m;
+  return m;
+}
+
+// xq[rows, kp], xs and xsum[rows, kp / kQBlock] for x[rows, k] as ggml's Q8_0 quantizes a row (`quantize_row_q8_0`,
+// to the bit): per block, d = max |x| / 127, xq = x x (1 / d) rounded half away from zero, xs = d rounded to
+// float16 (as Q8_0 stores it), xsum = the sum of the block's xq; 0 past k. A NaN or infinite input makes its row's
+// outputs NaN.
+void QuantizeRowsToBytes(const float* x, int64_t rows, int64_t k, int64_t kp, int8_t* xq, float* xs, int32_t* xsum) {
+  const int64_t blocks = kp / kQBlock;
+  constexpr float kRound = 12582912.0f;  // 1.5 x 2^23: (v + kRound) - kRound rounds |v| < 2^22 to nearest, even
+  thread_local std::vector<float> inverses;
+  inverses.resize(blocks);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * k;
+    float* scale = xs + r * blocks;
+    for (int64_t b = 0; b < blocks; ++b) {
+      float v[kQBlock];
+      const int64_t start = b * kQBlock, n = std::min(k - start, kQBlock);
+      for (int64_t i = 0; i < kQBlock; ++i) v[i] = i < n ? row[start + i] : 0.0f;
+      scale[b] = AbsMax(v);
+    }
+    for (int64_t b = 0; b < blocks; ++b) {  // the scales' divisions and roundings, vectorized over blocks
+      const float top = scale[b], d = top / 127.0f;
+      inverses[b] = d != 0.0f && top <= 3.4028235e38f ? 1.0f / d : 0.0f;  // NaN or inf: counts as 0 ...
+      scale[b] = top <= 3.4028235e38f ? static_cast<float>(static_cast<_Float16>(d)) : std::nanf("");  // ... x NaN
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t start = b * kQBlock, n = std::min(k - start, kQBlock);
+      const float inverse = inverses[b];
+      int32_t q[kQBlock], sum = 0;
+      for (int64_t i = 0; i < kQBlock; ++i) {  // roundf(v x inverse) as plain arithmetic, which vectorizes
+        const float v = i < n ? row[start + i] : 0.0f;
+        const float s = inverse != 0.0f ? std::abs(v * inverse) : 0.0f, even = (s + kRound) - kRound;
+        const float away = even + (s - even == 0.5f ? 1.0f : 0.0f);  // a tie that went to even goes up
+        q[i] = static_cast<int32_t>(v < 0.0f ? -away : away);
+      }
+      for (int64_t i = 0; i < kQBlock; ++i) {
+        xq[r * kp + start + i] = static_cast<int8_t>(q[i]);
+        sum += q[i];
+      }
+      xsum[r * blocks + b] = sum;
+    }
+  }
+}
+
+// Each tile shape's function: [one panel or kTilePanels][rows - 1].
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, int64_t);
-using QuantizedTileFn = void (*)(const int16_t*, const float*, int64_t, const int8_t*, const float*, float*, int64_t,
-                                 int64_t, int64_t);
+using QuantizedTileFn = void (*)(const void*, const float*, const int32_t*, int64_t, const int8_t*, const float*,
+                                 float*, int64_t, int64_t, int64_t);
 template <bool kGated, int kPanels, size_t... R>
 constexpr std::array<TileFn, sizeof...(R)> Tiles(std::index_sequence<R...>) {
   return {Tile<R + 1, kPanels, kGated>...};
 }
-template <bool kGated, int kPanels, size_t... R>
+template <typename F, bool kGated, int kPanels, size_t... R>
 constexpr std::array<QuantizedTileFn, sizeof...(R)> QuantizedTiles(std::index_sequence<R...>) {
-  return {QuantizedTile<R + 1, kPanels, kGated>...};
+  return {QuantizedTile<F, R + 1, kPanels, kGated>...};
 }
 template <bool kGated>
 constexpr std::array<TileFn, kTile> kTiles[2] = {Tiles<kGated, 1>(std::make_index_sequence<kTile>{}),
                                                  Tiles<kGated, kTilePanels>(std::make_index_sequence<kTile>{})};
-template <bool kGated>
+template <typename F, bool kGated>
 constexpr std::array<QuantizedTileFn, kQTile> kQuantizedTiles[2] = {
-    QuantizedTiles<kGated, 1>(std::make_index_sequence<kQTile>{}),
-    QuantizedTiles<kGated, kQTilePanels>(std::make_index_sequence<kQTile>{})};
+    QuantizedTiles<F, kGated, 1>(std::make_index_sequence<kQTile>{}),
+    QuantizedTiles<F, kGated, kQTilePanels>(std::make_index_sequence<kQTile>{})};
 
 // Chunks: blocks of kBlock rows x groups of panels.
 template <bool kGated>
@@ -201,9 +289,11 @@ struct Product : jaxllama::Job {
   static constexpr int64_t kOut = kGated ? kLanes : kPanel;  // output columns per panel
   Product(int64_t chunks, int64_t groups, int64_t per_group) : Job(chunks), groups(groups), per_group(per_group) {}
   const float *x, *w;  // float32 panels, or for quantized ones (w nullptr):
-  const int16_t* xq = nullptr;  // x quantized (`QuantizeRows`), its scales xs, the panels q and their scales
-  const float *xs = nullptr, *scales = nullptr;
+  const void* xq = nullptr;  // x quantized (`QuantizeRows`: int16; `QuantizeRowsToBytes`: int8), its scales xs,
+  const float *xs = nullptr, *scales = nullptr;  // (int8) its block sums xsum, the panels q and their scales
+  const int32_t* xsum = nullptr;
   const int8_t* q = nullptr;
+  bool quads = false;  // q holds Quads, else Pairs
   float* out;
   int64_t rows, k, n, panels;
   int64_t kp = 0;  // a quantized panel's inputs: k padded to whole blocks
@@ -219,8 +309,10 @@ struct Product : jaxllama::Job {
       for (int64_t r = r0; r < r1; r += tile_rows) {
         const int64_t tile = std::min(tile_rows, r1 - r);
         if (q) {
-          kQuantizedTiles<kGated>[whole][tile - 1](xq + r * kp, xs + r * blocks, kp, q + p * kp * kPanel,
-                                                   scales + p * blocks * kPanel, out + r * n + p * kOut, n, n, p);
+          const auto& tiles = quads ? kQuantizedTiles<Quads, kGated> : kQuantizedTiles<Pairs, kGated>;
+          const void* xr = static_cast<const char*>(xq) + r * kp * (quads ? 1 : 2);
+          tiles[whole][tile - 1](xr, xs + r * blocks, xsum ? xsum + r * blocks : nullptr, kp, q + p * kp * kPanel,
+                                 scales + p * blocks * kPanel, out + r * n + p * kOut, n, n, p);
         } else {
           kTiles<kGated>[whole][tile - 1](x + r * k, k, w + p * k * kPanel, k, out + r * n + p * kOut, n, n, p);
         }
@@ -243,10 +335,11 @@ XLA_FFI_Error* Handle(XLA_FFI_CallFrame* frame) {
   if (frame->args.size < 2 || frame->args.size > 3 || frame->rets.size != 1 || !x || !w || !out ||
       (quantized && !scales))
     return Fail(api, "matmul: 2 or 3 buffer arguments, 1 buffer result");
+  const bool quads = w->dtype == XLA_FFI_DataType_U8;
   if (x->dtype != XLA_FFI_DataType_F32 || out->dtype != XLA_FFI_DataType_F32 ||
-      w->dtype != (quantized ? XLA_FFI_DataType_S8 : XLA_FFI_DataType_F32) ||
+      (quantized ? !(quads || w->dtype == XLA_FFI_DataType_S8) : w->dtype != XLA_FFI_DataType_F32) ||
       (quantized && scales->dtype != XLA_FFI_DataType_F32))
-    return Fail(api, "matmul: f32 x and out, f32 w or s8 w and f32 scales expected");
+    return Fail(api, "matmul: f32 x and out, f32 w, or s8 (pairs) or u8 (quads) w and f32 scales expected");
   if (x->rank < 1 || w->rank != 3 || out->rank != x->rank || w->dims[2] != kPanel)
     return Fail(api, "matmul: x [..., in], w [panels, in (quantized: padded to 32), 16] and out [..., out] expected");
   int64_t rows = 1;
@@ -271,14 +364,26 @@ XLA_FFI_Error* Handle(XLA_FFI_CallFrame* frame) {
   Product<kGated> job(blocks * groups, groups, per_group);
   job.x = static_cast<const float*>(x->data);
   job.w = quantized ? nullptr : static_cast<const float*>(w->data);
-  thread_local std::vector<int16_t> xq;  // this thread's calls' quantized x, read by the helpers until Run returns
+  // This thread's calls' quantized x, read by the helpers until RunJob returns.
+  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<int8_t> xq8;
   thread_local std::vector<float> xs;
+  thread_local std::vector<int32_t> xsum;
   if (quantized) {
-    xq.resize(rows * kp);
     xs.resize(rows * (kp / kQBlock));
-    QuantizeRows(job.x, rows, k, kp, xq.data(), xs.data());
-    job.xq = xq.data();
+    if (quads) {
+      xq8.resize(rows * kp);
+      xsum.resize(rows * (kp / kQBlock));
+      QuantizeRowsToBytes(job.x, rows, k, kp, xq8.data(), xs.data(), xsum.data());
+      job.xq = xq8.data();
+      job.xsum = xsum.data();
+    } else {
+      xq.resize(rows * kp);
+      QuantizeRows(job.x, rows, k, kp, xq.data(), xs.data());
+      job.xq = xq.data();
+    }
     job.xs = xs.data();
+    job.quads = quads;
     job.q = static_cast<const int8_t*>(w->data);
     job.scales = static_cast<const float*>(scales->data);
     job.kp = kp;
@@ -295,9 +400,9 @@ XLA_FFI_Error* Handle(XLA_FFI_CallFrame* frame) {
 }  // namespace
 
 // Arguments: x [..., in] f32; w [panels, in, kPanel] f32 (`pack`), or quantized (`quantize`): w [panels, in
-// padded to whole blocks of kQBlock, kPanel] s8 (pairs of inputs interleaved), then its scales [panels, blocks,
-// kPanel] f32. Result: [..., out] f32 with out <= panels x kPanel: the first `out`
-// columns of x @ the unpacked weight.
+// padded to whole blocks of kQBlock, kPanel], s8 in pairs of inputs (Pairs) or u8 in fours (Quads), then its
+// scales [panels, blocks, kPanel] f32. Result: [..., out] f32 with out <= panels x kPanel: the first `out` columns
+// of x @ the unpacked weight.
 extern "C" XLA_FFI_Error* JaxllamaMatmul(XLA_FFI_CallFrame* frame) { return Handle<false>(frame); }
 
 // Arguments: x [..., in] f32; w [panels, in, kPanel] f32 (`pack_gated`), or quantized as above. Result: [..., out] f32 with out <= panels x

@@ -5,7 +5,8 @@ through XLA's FFI once `library.load` has built and registered it.
 (`core.model.linear`), so that a params tree with packed weights runs through the kernel without a switch.
 `pack_gated` packs an MLP's gate and up projections as one product that gives silu(gate) x up. `quantize` turns
 packed float32 panels into int8 ones with a scale per block of 32 inputs of each column (llama.cpp's Q8_0, to the
-bit): 1.125 bytes a weight instead of 4, the bytes that bound a one-row product.
+bit): 1.125 bytes a weight instead of 4, the bytes that bound a one-row product, in the layout of one of
+QUANTIZATIONS.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ TARGET = "jaxllama_matmul"
 GATED_TARGET = "jaxllama_gated_matmul"
 PANEL = 16  # output columns per panel (matmul.cc's kPanel); a gated product's panel: 8 gate and 8 up columns
 Q_BLOCK = 32  # inputs per scale of a quantized weight (matmul.cc's kQBlock; Q8_0's block)
-QUANTIZATIONS = ("q8_0",)  # what `quantize` makes: the names users pass (`Engine(quantize=...)`, `--quantize`)
+# What `quantize` makes: the names users pass (`Engine(quantize=...)`, `--quantize`). Both store the weights as Q8_0;
+# "q8_0" multiplies them by the inputs quantized to int16, "w8a8" by the inputs quantized to int8 (Q8_0 too, as
+# llama.cpp's products do), which AVX-512 VNNI sums at four times the rate of float32 FMAs.
+QUANTIZATIONS = ("q8_0", "w8a8")
 
 
 def check_quantization(name: str | None) -> None:
@@ -67,35 +71,46 @@ def pack_gated(gate: jax.Array, up: jax.Array) -> Packed:
     return Packed(jnp.concatenate([gate, up], axis=1).transpose(0, 2, 1), ((hidden,),), gated=True)
 
 
-def quantize(w: Packed) -> Packed:
+def quantize(w: Packed, name: str = "q8_0") -> Packed:
     """Float32 panels -> int8 ones and their scales, as llama.cpp quantizes a row of Q8_0 (ggml-quants.c, to the
     bit): per block of Q_BLOCK inputs of a column, scale = max |w| / 127 (stored as float16, here in float32) and
     q = w x (1 / that scale before its rounding to float16), rounded half away from zero. The inputs are padded
-    with zeros to whole blocks and stored in pairs, column by column ([panels, in / 2, PANEL, 2]), as the kernel
-    reads them."""
-    return _quantize(w, jnp.float32(127))  # a divisor XLA sees as a constant becomes a multiply by its inverse
+    with zeros to whole blocks and stored, column by column, in pairs as int8 ("q8_0": [panels, in / 2, PANEL, 2],
+    as pmaddwd reads them) or in fours as q + 128 in uint8 ("w8a8": [panels, in / 4, PANEL, 4], as vpdpbusd reads
+    them)."""
+    check_quantization(name)
+    q, scales = _quantize(w.panels, jnp.float32(127))  # a divisor XLA sees as a constant becomes a multiply
+    n, kp, cols = q.shape
+    group = 2 if name == "q8_0" else 4
+    q = q.reshape(n, kp // group, group, cols).transpose(0, 1, 3, 2).reshape(n, kp, cols)
+    return dataclasses.replace(
+        w, panels=q if name == "q8_0" else (q.astype(jnp.int16) + 128).astype(jnp.uint8), scales=scales
+    )
 
 
 @jax.jit
-def _quantize(w: Packed, top: jax.Array) -> Packed:
-    n, k, cols = w.panels.shape
+def _quantize(panels: jax.Array, top: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[panels, in, PANEL] float32 -> int8 [panels, in padded to whole blocks, PANEL] and scales [panels, blocks,
+    PANEL]."""
+    n, k, cols = panels.shape
     blocks = -(-k // Q_BLOCK)
-    padded = jnp.pad(w.panels, ((0, 0), (0, blocks * Q_BLOCK - k), (0, 0))).reshape(n, blocks, Q_BLOCK, cols)
+    padded = jnp.pad(panels, ((0, 0), (0, blocks * Q_BLOCK - k), (0, 0))).reshape(n, blocks, Q_BLOCK, cols)
     scale = jnp.max(jnp.abs(padded), axis=2, keepdims=True) / top
     inverse = jnp.where(scale == 0, 0, 1 / jnp.where(scale == 0, 1, scale))
     scaled = jnp.abs(padded * inverse)
     q = jnp.sign(padded) * (jnp.floor(scaled) + jnp.floor(2 * (scaled - jnp.floor(scaled))))  # ggml's roundf
-    pairs = q.astype(jnp.int8).reshape(n, blocks * Q_BLOCK // 2, 2, cols).transpose(0, 1, 3, 2)
     scales = scale.astype(jnp.float16).astype(jnp.float32).reshape(n, blocks, cols)
-    return dataclasses.replace(w, panels=pairs.reshape(n, blocks * Q_BLOCK, cols), scales=scales)
+    return q.astype(jnp.int8).reshape(n, blocks * Q_BLOCK, cols), scales
 
 
 def dequantize(w: Packed) -> np.ndarray:
     """A quantized Packed's weight as float32 [panels * PANEL, in padded to whole blocks]: what its products
     multiply by, a row per column of its panels (for a single weight, its (out, in) layout with padding)."""
     n, kp, cols = w.panels.shape
-    q = np.asarray(w.panels).reshape(n, kp // 2, cols, 2).transpose(0, 1, 3, 2).reshape(n, kp // Q_BLOCK, Q_BLOCK, cols)
-    weights = q.astype(np.float32) * np.asarray(w.scales)[:, :, None, :]
+    group = 4 if w.panels.dtype == jnp.uint8 else 2
+    q = np.asarray(w.panels).reshape(n, kp // group, cols, group).transpose(0, 1, 3, 2).reshape(n, kp, cols)
+    q = q.astype(np.int16) - (128 if group == 4 else 0)
+    weights = q.reshape(n, kp // Q_BLOCK, Q_BLOCK, cols).astype(np.float32) * np.asarray(w.scales)[:, :, None, :]
     return weights.reshape(n, kp, cols).transpose(0, 2, 1).reshape(n * cols, kp)
 
 

@@ -39,6 +39,28 @@ inline Ints MultiplyAddPairs(Ints acc, Ints a, Shorts b) {
 #endif
 }
 
+// DotBytes (below) in plain vector code: each byte shifted out (the unsigned ones masked, the signed ones
+// sign-extended), multiplied and added.
+template <typename V>
+inline V DotBytesByShifts(V acc, V u, V s) {
+  for (int shift = 0; shift < 32; shift += 8) acc += ((u >> shift) & 0xff) * ((s << (24 - shift)) >> 24);
+  return acc;
+}
+
+// acc + in each int32 lane the sum of the products of u's 4 unsigned bytes and s's 4 signed bytes: AVX-VNNI's
+// vpdpbusd where the CPU has it.
+inline Ints DotBytes(Ints acc, Ints u, Ints s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return reinterpret_cast<Ints>(
+      _mm256_dpbusd_epi32(reinterpret_cast<__m256i>(acc), reinterpret_cast<__m256i>(u), reinterpret_cast<__m256i>(s)));
+#elif defined(__AVXVNNI__)
+  return reinterpret_cast<Ints>(_mm256_dpbusd_avx_epi32(reinterpret_cast<__m256i>(acc), reinterpret_cast<__m256i>(u),
+                                                        reinterpret_cast<__m256i>(s)));
+#else
+  return DotBytesByShifts(acc, u, s);
+#endif
+}
+
 // The widest vectors: AVX-512's, where the CPU has them (with its byte and word instructions).
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define JAXLLAMA_WIDE 1
@@ -58,6 +80,16 @@ inline WideInts MultiplyAddPairs(WideInts acc, WideInts a, WideShorts b) {
       _mm512_dpwssd_epi32(reinterpret_cast<__m512i>(acc), reinterpret_cast<__m512i>(a), reinterpret_cast<__m512i>(b)));
 #else
   return acc + reinterpret_cast<WideInts>(_mm512_madd_epi16(reinterpret_cast<__m512i>(a), reinterpret_cast<__m512i>(b)));
+#endif
+}
+
+// acc + in each int32 lane the sum of the products of u's 4 unsigned bytes and s's 4 signed bytes: VNNI's vpdpbusd.
+inline WideInts DotBytes(WideInts acc, WideInts u, WideInts s) {
+#if defined(__AVX512VNNI__)
+  return reinterpret_cast<WideInts>(
+      _mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc), reinterpret_cast<__m512i>(u), reinterpret_cast<__m512i>(s)));
+#else
+  return DotBytesByShifts(acc, u, s);
 #endif
 }
 #endif

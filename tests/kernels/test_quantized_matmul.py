@@ -120,7 +120,7 @@ def test_a_nan_input_spoils_its_own_row_only():
 def test_pack_weights_quantizes_every_product():
     config = tiny_config()
     params = spread_params(config, seed=3)
-    packed = pack_weights(params, config, quantized=True)
+    packed = pack_weights(params, config, quantize="q8_0")
     products = jax.tree.leaves(packed, is_leaf=lambda x: isinstance(x, matmul.Packed))
     products = [p for p in products if isinstance(p, matmul.Packed)]
     assert len(products) == 4 * config.n_layers + 1
