@@ -29,6 +29,7 @@ def _common_setup(
     process_id,
     decode_steps=None,
     quantize=None,
+    kv_cache_dtype=None,
 ):
     from jaxllama.engine.runtime import initialize_distributed
     from jaxllama.llm import LLM
@@ -43,6 +44,7 @@ def _common_setup(
         max_context=max_context,
         decode_steps=decode_steps,
         quantize=quantize,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -72,6 +74,7 @@ def run(
     max_context: int | None = None,
     decode_steps: int | None = None,
     quantize: str | None = None,
+    kv_cache_dtype: str | None = None,
     overwrite: bool = False,
     stats_file: str | None = None,
     quiet: bool = False,
@@ -103,7 +106,9 @@ def run(
       max_batch: decode slots: requests generated at once (default: the engine's, 64).
       max_context: context limit (prompt + completion), at most the model's.
       decode_steps: decode steps per host round trip.
-      quantize: q8_0 to generate with int8 weights (llama.cpp's Q8_0; one CPU device): faster one request at a time.
+      quantize: q8_0 or w8a8 to generate with int8 weights (llama.cpp's Q8_0; one CPU device), multiplied by
+        inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512 VNNI).
+      kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits (default: the weights' dtype).
       overwrite: start over instead of resuming.
       stats_file: also write the summary statistics as JSON here.
       quiet: no progress or summary on stderr.
@@ -136,6 +141,7 @@ def run(
             process_id,
             decode_steps,
             quantize,
+            kv_cache_dtype,
         )
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))
@@ -178,6 +184,7 @@ def serve(
     max_context: int | None = None,
     decode_steps: int | None = None,
     quantize: str | None = None,
+    kv_cache_dtype: str | None = None,
     log_level: str = "info",
 ):
     """Serve the OpenAI API: POST /v1/chat/completions and /v1/completions (streamed with "stream": true),
@@ -196,7 +203,9 @@ def serve(
       max_queue: requests waiting for a slot at most; one more is answered 429.
       max_context: context limit (prompt + completion), at most the model's.
       decode_steps: decode steps per host round trip.
-      quantize: q8_0 to generate with int8 weights (llama.cpp's Q8_0; one CPU device): faster one request at a time.
+      quantize: q8_0 or w8a8 to generate with int8 weights (llama.cpp's Q8_0; one CPU device), multiplied by
+        inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512 VNNI).
+      kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits (default: the weights' dtype).
       log_level: uvicorn's log level (debug, info, warning, error).
     """
     import uvicorn
@@ -205,7 +214,18 @@ def serve(
 
     try:
         llm = _common_setup(
-            model, mesh, chat_template, eos_id, max_batch, max_context, None, None, None, decode_steps, quantize
+            model,
+            mesh,
+            chat_template,
+            eos_id,
+            max_batch,
+            max_context,
+            None,
+            None,
+            None,
+            decode_steps,
+            quantize,
+            kv_cache_dtype,
         )
         app = create_app(llm, model_name=served_model_name, max_queue=max_queue, max_tokens=max_tokens)
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -256,6 +276,7 @@ def chat(
     mesh: str | None = None,
     chat_template: str | None = None,
     quantize: str | None = None,
+    kv_cache_dtype: str | None = None,
 ):
     """Chat with a model in the terminal, the reply streamed as it is generated. Ctrl-D or /exit to quit.
 
@@ -268,10 +289,24 @@ def chat(
       seed: random seed.
       mesh: device mesh, e.g. data=1,model=2.
       chat_template: a built-in template name or a .jinja file.
-      quantize: q8_0 to generate with int8 weights (llama.cpp's Q8_0; one CPU device): faster one request at a time.
+      quantize: q8_0 or w8a8 to generate with int8 weights (llama.cpp's Q8_0; one CPU device), multiplied by
+        inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512 VNNI).
+      kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits (default: the weights' dtype).
     """
     try:
-        llm = _common_setup(model, mesh, chat_template, None, 1, None, None, None, None, quantize=quantize)
+        llm = _common_setup(
+            model,
+            mesh,
+            chat_template,
+            None,
+            1,
+            None,
+            None,
+            None,
+            None,
+            quantize=quantize,
+            kv_cache_dtype=kv_cache_dtype,
+        )
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []

@@ -23,6 +23,7 @@ from jaxllama.core.checkpoint import load_checkpoint
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import forward, sequence_logits
 from jaxllama.core.sharding import make_mesh
+from jaxllama.engine import kvcache
 from jaxllama.engine.engine import DEFAULT_SLOTS, Engine
 from jaxllama.engine.runtime import enable_compilation_cache
 from jaxllama.engine.sampling import SamplingParams
@@ -52,6 +53,7 @@ class LLM:
         max_context: int | None = None,
         decode_steps: int | None = None,
         quantize: str | None = None,
+        kv_cache_dtype: str | None = None,
         path: Path | None = None,
     ):
         self.config, self.params, self.mesh = config, params, mesh
@@ -66,6 +68,7 @@ class LLM:
             max_context=max_context,
             decode_steps=decode_steps or _default_decode_steps(),
             quantize=quantize,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.generation = Generation(self.engine, tokenizer)
         self._next_id = 0
@@ -84,16 +87,20 @@ class LLM:
         max_context: int | None = None,
         decode_steps: int | None = None,
         quantize: str | None = None,
+        kv_cache_dtype: str | None = None,
         compilation_cache: bool = True,
     ) -> LLM:
         """Load a converted checkpoint (None: the default model) onto a mesh ('data=2,model=4'; default:
         chosen from the devices). `chat_template`: a built-in name or a .jinja file instead of the
-        checkpoint's. `eos_ids` replaces the end-of-generation set; `extra_eos_ids` extends it. `quantize='q8_0'`:
-        generate with int8 weights in blocks of 32 (llama.cpp's Q8_0), on one CPU device; `logits` and `forward`
-        keep the checkpoint's weights."""
+        checkpoint's. `eos_ids` replaces the end-of-generation set; `extra_eos_ids` extends it. `quantize`:
+        generate with int8 weights in blocks of 32 (llama.cpp's Q8_0), on one CPU device: 'q8_0' multiplies them by
+        the inputs in int16, 'w8a8' by the inputs in int8 (as llama.cpp does; fastest on CPUs with AVX-512 VNNI);
+        `logits` and `forward` keep the checkpoint's weights. `kv_cache_dtype`: 'float16' or 'bfloat16' keeps the
+        KV cache in 16 bits (half the bytes attention reads), 'float32', or None for the weights' dtype."""
         from jaxllama.default_model import resolve_model
 
         check_quantization(quantize)  # before a long load
+        kvcache.dtype(kv_cache_dtype, None)
         if compilation_cache:
             enable_compilation_cache()
         path = resolve_model(path)
@@ -120,6 +127,7 @@ class LLM:
             max_context=max_context,
             decode_steps=decode_steps,
             quantize=quantize,
+            kv_cache_dtype=kv_cache_dtype,
             path=Path(path),
         )
 

@@ -149,6 +149,7 @@ class Engine:
         layers_per_program: int = LAYERS_PER_PROGRAM,
         cpu_kernels: bool = True,
         quantize: str | None = None,
+        kv_cache_dtype: str | None = None,
     ):
         check_quantization(quantize)
         self.config, self.params, self.mesh = config, params, mesh
@@ -158,6 +159,7 @@ class Engine:
         self.max_context = min(max_context or config.max_seq_len, config.max_seq_len)
         self.decode_steps = decode_steps
         self.dtype = jax.tree.leaves(params)[0].dtype
+        self.cache_dtype = kvcache.dtype(kv_cache_dtype, self.dtype)
         self.stats = EngineStats()
         self.queue: collections.deque[Request] = collections.deque()
         self.active: dict[int, _Slot] = {}
@@ -192,7 +194,7 @@ class Engine:
             self._run_params = [pack_weights(p, config, quantize) for p in self._run_params]
         self.state = self._initial_state()
         self.cache = kvcache.allocate(
-            self.config, mesh, self.slots, kvcache.bucket(min_cache, self.max_context), self.dtype
+            self.config, mesh, self.slots, kvcache.bucket(min_cache, self.max_context), self.cache_dtype
         )
 
     # ---- public API -------------------------------------------------------------------------------

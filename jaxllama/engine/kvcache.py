@@ -21,6 +21,19 @@ from jaxllama.core.sharding import named_sharding
 # on first use in each process) for attention that costs little next to the products at either length.
 MIN_BUCKET = 128
 FINE_BUCKETS_FROM = 128  # cache lengths step by 1.5x from here on, by 2x below (see `bucket`)
+# What the cache may be stored in (`Engine(kv_cache_dtype=...)`, `--kv-cache-dtype`); by default the weights' dtype.
+# In 16 bits a decode step reads half the bytes for attention, which long sequences at large batches are bound by
+# (llama.cpp's default is float16).
+DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+
+
+def dtype(name: str | None, default):
+    """The cache's dtype for the name a user gave (None or "auto": `default`, the weights'); ValueError else."""
+    if name is None or name == "auto":
+        return default
+    if name not in DTYPES:
+        raise ValueError(f"kv_cache_dtype={name!r}: expected auto or one of {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def cache_sharding(config: ModelConfig, mesh: Mesh):

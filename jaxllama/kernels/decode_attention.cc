@@ -23,9 +23,41 @@ using jaxllama::Vec;
 
 constexpr int kGroupsAtOnce = 4;  // query heads of a kv head whose sums are kept in registers together
 
+// The cache's element types: float32, float16 (`_Float16`) or bfloat16 (its bits), each read as floats.
+struct BFloat16 {
+  uint16_t bits;
+};
+
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(_Float16 x) { return static_cast<float>(x); }
+inline float ToFloat(BFloat16 x) {
+  const uint32_t bits = uint32_t{x.bits} << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// kLanes elements from p, as floats.
 inline Vec Load(const float* p) {
   Vec v;
   std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline Vec Load(const _Float16* p) {  // F16C's vcvtph2ps where the CPU has it
+  typedef _Float16 Halves __attribute__((vector_size(kLanes * 2)));
+  Halves h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, Vec);
+}
+
+inline Vec Load(const BFloat16* p) {  // a bfloat16 is a float32's high half
+  typedef uint16_t Halves __attribute__((vector_size(kLanes * 2)));
+  Halves h;
+  std::memcpy(&h, p, sizeof(h));
+  const jaxllama::UInts bits = __builtin_convertvector(h, jaxllama::UInts) << 16;
+  Vec v;
+  std::memcpy(&v, &bits, sizeof(v));
   return v;
 }
 
@@ -34,11 +66,11 @@ inline Vec Broadcast(float s) { return Vec{s, s, s, s, s, s, s, s}; }
 // scores[j, t0..t0 + 2 kLanes) = q[j] . keys[:, t0..] x scale for kG query heads: each key vector is read once
 // for all of them, and the sums stay in registers. Keys are [dim, length]: a block reads 64 bytes of each dim's row,
 // and fetches the next block's ahead (many rows far apart defeat the hardware's prefetch).
-template <int kG>
-void ScoreBlock(const float* q, const float* keys, int64_t hd, int64_t n, int64_t t0, float scale, float* scores) {
+template <int kG, typename C>
+void ScoreBlock(const float* q, const C* keys, int64_t hd, int64_t n, int64_t t0, float scale, float* scores) {
   Vec acc[kG][2] = {};
   for (int64_t d = 0; d < hd; ++d) {
-    const float* k = keys + d * n + t0;
+    const C* k = keys + d * n + t0;
     __builtin_prefetch(k + 2 * kLanes);
     const Vec k0 = Load(k), k1 = Load(k + kLanes);
     for (int j = 0; j < kG; ++j) {
@@ -55,8 +87,8 @@ void ScoreBlock(const float* q, const float* keys, int64_t hd, int64_t n, int64_
 }
 
 // out[j, e0..e0 + 2 kLanes) = sum over t < visible of p[j, t] x values[t, e0..] for kG query heads.
-template <int kG>
-void WeighBlock(const float* p, const float* values, int64_t hd, int64_t n, int64_t visible, int64_t e0, float* out) {
+template <int kG, typename C>
+void WeighBlock(const float* p, const C* values, int64_t hd, int64_t n, int64_t visible, int64_t e0, float* out) {
   Vec acc[kG][2] = {};
   for (int64_t t = 0; t < visible; ++t) {
     __builtin_prefetch(values + (t + 4) * hd + e0);
@@ -75,26 +107,26 @@ void WeighBlock(const float* p, const float* values, int64_t hd, int64_t n, int6
 
 // kG query heads' scores (`scoring`: positions [0, visible), 2 x kLanes at a time where the cache's length allows, the
 // rest one by one) or weighted values (2 x kLanes dims at a time, the rest one by one).
-template <int kG>
-void Heads(const float* q, const float* keys, const float* values, int64_t visible, int64_t hd, int64_t n,
+template <int kG, typename C>
+void Heads(const float* q, const C* keys, const C* values, int64_t visible, int64_t hd, int64_t n,
            float scale, float* out, float* scores, bool scoring) {
   if (scoring) {
     int64_t t0 = 0;
-    for (; t0 < visible && t0 + 2 * kLanes <= n; t0 += 2 * kLanes) ScoreBlock<kG>(q, keys, hd, n, t0, scale, scores);
+    for (; t0 < visible && t0 + 2 * kLanes <= n; t0 += 2 * kLanes) ScoreBlock<kG, C>(q, keys, hd, n, t0, scale, scores);
     for (int64_t t = t0; t < visible; ++t) {
       for (int j = 0; j < kG; ++j) {
         float sum = 0.0f;
-        for (int64_t d = 0; d < hd; ++d) sum += q[j * hd + d] * keys[d * n + t];
+        for (int64_t d = 0; d < hd; ++d) sum += q[j * hd + d] * ToFloat(keys[d * n + t]);
         scores[j * n + t] = sum * scale;
       }
     }
   } else {
     int64_t e0 = 0;
-    for (; e0 + 2 * kLanes <= hd; e0 += 2 * kLanes) WeighBlock<kG>(scores, values, hd, n, visible, e0, out);
+    for (; e0 + 2 * kLanes <= hd; e0 += 2 * kLanes) WeighBlock<kG, C>(scores, values, hd, n, visible, e0, out);
     for (int64_t e = e0; e < hd; ++e) {
       for (int j = 0; j < kG; ++j) {
         float sum = 0.0f;
-        for (int64_t t = 0; t < visible; ++t) sum += scores[j * n + t] * values[t * hd + e];
+        for (int64_t t = 0; t < visible; ++t) sum += scores[j * n + t] * ToFloat(values[t * hd + e]);
         out[j * hd + e] = sum;
       }
     }
@@ -102,16 +134,17 @@ void Heads(const float* q, const float* keys, const float* values, int64_t visib
 }
 
 // The kv head's query heads kGroupsAtOnce at a time: scores (`scoring`) or the weighted values.
-void Groups(const float* q, const float* keys, const float* values, int64_t visible, int64_t g, int64_t hd,
+template <typename C>
+void Groups(const float* q, const C* keys, const C* values, int64_t visible, int64_t g, int64_t hd,
             int64_t n, float scale, float* out, float* scores, bool scoring) {
   for (int64_t j = 0; j < g; j += kGroupsAtOnce) {
     const float* qj = q + j * hd;
     float *oj = out + j * hd, *sj = scores + j * n;
     switch (std::min<int64_t>(kGroupsAtOnce, g - j)) {
-      case 1: Heads<1>(qj, keys, values, visible, hd, n, scale, oj, sj, scoring); break;
-      case 2: Heads<2>(qj, keys, values, visible, hd, n, scale, oj, sj, scoring); break;
-      case 3: Heads<3>(qj, keys, values, visible, hd, n, scale, oj, sj, scoring); break;
-      default: Heads<4>(qj, keys, values, visible, hd, n, scale, oj, sj, scoring); break;
+      case 1: Heads<1, C>(qj, keys, values, visible, hd, n, scale, oj, sj, scoring); break;
+      case 2: Heads<2, C>(qj, keys, values, visible, hd, n, scale, oj, sj, scoring); break;
+      case 3: Heads<3, C>(qj, keys, values, visible, hd, n, scale, oj, sj, scoring); break;
+      default: Heads<4, C>(qj, keys, values, visible, hd, n, scale, oj, sj, scoring); break;
     }
   }
 }
@@ -120,7 +153,8 @@ void Groups(const float* q, const float* keys, const float* values, int64_t visi
 // [0, visible) are attended to; scores [groups, length] is scratch. Query heads go kGroupsAtOnce at a time, their
 // sums in registers (`Heads`): each key and value vector is read once for all of them, and no score or output is
 // read and written back per dim or position (3x faster than loops over one head at a time).
-void Attend(const float* q, const float* keys, const float* values, int64_t visible, const Shape& s, float* out,
+template <typename C>
+void Attend(const float* q, const C* keys, const C* values, int64_t visible, const Shape& s, float* out,
             float* scores) {
   const int64_t g = s.groups, hd = s.dim, n = s.length;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
@@ -145,10 +179,12 @@ void Attend(const float* q, const float* keys, const float* values, int64_t visi
   Groups(q, keys, values, visible, g, hd, n, scale, out, scores, false);
 }
 
-// The (row, kv head) pairs in chunks.
+// The (row, kv head) pairs in chunks, over a cache of C.
+template <typename C>
 struct Attention : jaxllama::Job {
   Attention(int64_t chunks, int64_t per_chunk) : Job(chunks), per_chunk(per_chunk) {}
-  const float *q, *keys, *values;
+  const float* q;
+  const C *keys, *values;
   const int32_t *slot_of, *positions;  // per query row: its cache row, its position
   float* out;
   Shape s;
@@ -171,10 +207,26 @@ struct Attention : jaxllama::Job {
   }
 };
 
+template <typename C>
+XLA_FFI_Error* Run(XLA_FFI_CallFrame* frame, XLA_FFI_Buffer* const* in, XLA_FFI_Buffer* result, const Shape& s) {
+  const int64_t pairs = s.rows * s.kv, per_chunk = std::max<int64_t>(1, pairs / 32);
+  Attention<C> job((pairs + per_chunk - 1) / per_chunk, per_chunk);
+  job.q = static_cast<const float*>(in[0]->data);
+  job.keys = static_cast<const C*>(in[1]->data);
+  job.values = static_cast<const C*>(in[2]->data);
+  job.slot_of = static_cast<const int32_t*>(in[3]->data);
+  job.positions = static_cast<const int32_t*>(in[4]->data);
+  job.out = static_cast<float*>(result->data);
+  job.s = s;
+  // Small calls run on this thread alone: handing work to the pool costs more than it saves.
+  jaxllama::RunJob(frame, job, pairs * s.length >= kMinShared);
+  return nullptr;
+}
+
 }  // namespace
 
-// Arguments: q [rows, kv, groups, dim] f32; keys [slots, kv, dim, length] f32; values [slots, kv, length, dim]
-// f32; slots [rows] s32 (the cache row of each query row; out of range: a padding row, whose output is zeros);
+// Arguments: q [rows, kv, groups, dim] f32; keys [slots, kv, dim, length] and values [slots, kv, length, dim], both
+// f32, f16 or bf16; slots [rows] s32 (the cache row of each query row; out of range: a padding row, whose output is zeros);
 // positions [rows] s32 (the query's position: it sees positions 0..position). Result: [rows, kv, groups, dim].
 extern "C" XLA_FFI_Error* JaxllamaDecodeAttention(XLA_FFI_CallFrame* frame) {
   using jaxllama::Fail;
@@ -187,9 +239,13 @@ extern "C" XLA_FFI_Error* JaxllamaDecodeAttention(XLA_FFI_CallFrame* frame) {
   XLA_FFI_Buffer* result = jaxllama::Result(frame, 0);
   if (!result) return Fail(api, "decode_attention: a buffer result expected");
   const XLA_FFI_Buffer *q = in[0], *keys = in[1], *values = in[2], *slots = in[3], *positions = in[4];
-  const XLA_FFI_Buffer* floats[] = {q, keys, values, result};
-  for (const XLA_FFI_Buffer* b : floats)
-    if (b->dtype != XLA_FFI_DataType_F32 || b->rank != 4) return Fail(api, "decode_attention: f32 [.,.,.,.]");
+  const XLA_FFI_Buffer* arrays[] = {q, keys, values, result};
+  for (const XLA_FFI_Buffer* b : arrays)
+    if (b->rank != 4) return Fail(api, "decode_attention: q, keys, values and the result [.,.,.,.]");
+  const XLA_FFI_DataType cache = keys->dtype;
+  if (q->dtype != XLA_FFI_DataType_F32 || result->dtype != XLA_FFI_DataType_F32 || values->dtype != cache ||
+      !(cache == XLA_FFI_DataType_F32 || cache == XLA_FFI_DataType_F16 || cache == XLA_FFI_DataType_BF16))
+    return Fail(api, "decode_attention: f32 q and result, keys and values both f32, f16 or bf16");
   if (slots->dtype != XLA_FFI_DataType_S32 || positions->dtype != XLA_FFI_DataType_S32 || slots->rank != 1 ||
       positions->rank != 1)
     return Fail(api, "decode_attention: s32 [rows] slots and positions");
@@ -198,16 +254,8 @@ extern "C" XLA_FFI_Error* JaxllamaDecodeAttention(XLA_FFI_CallFrame* frame) {
       slots->dims[0] != qd[0] || positions->dims[0] != qd[0])
     return Fail(api, "decode_attention: shapes disagree");
 
-  const int64_t pairs = qd[0] * qd[1], per_chunk = std::max<int64_t>(1, pairs / 32);
-  Attention job((pairs + per_chunk - 1) / per_chunk, per_chunk);
-  job.q = static_cast<const float*>(q->data);
-  job.keys = static_cast<const float*>(keys->data);
-  job.values = static_cast<const float*>(values->data);
-  job.slot_of = static_cast<const int32_t*>(slots->data);
-  job.positions = static_cast<const int32_t*>(positions->data);
-  job.out = static_cast<float*>(result->data);
-  job.s = Shape{qd[0], kd[0], qd[1], qd[2], qd[3], kd[3]};
-  // Small calls run on this thread alone: handing work to the pool costs more than it saves.
-  jaxllama::RunJob(frame, job, pairs * kd[3] >= kMinShared);
-  return nullptr;
+  const Shape shape{qd[0], kd[0], qd[1], qd[2], qd[3], kd[3]};
+  if (cache == XLA_FFI_DataType_F16) return Run<_Float16>(frame, in, result, shape);
+  if (cache == XLA_FFI_DataType_BF16) return Run<BFloat16>(frame, in, result, shape);
+  return Run<float>(frame, in, result, shape);
 }

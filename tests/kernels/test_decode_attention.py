@@ -60,6 +60,22 @@ def test_kernel_matches_xla(kernel, rows, slots, kv, groups, head_dim, length):
         assert not got[-1].any()
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("rows, slots, length", [(32, 64, 128), (3, 4, 203)])
+def test_kernel_reads_float16_and_bfloat16_caches(kernel, dtype, rows, slots, length):
+    """The same attention over a cache stored in 16 bits: the kernel against XLA's over the same (rounded) cache."""
+    rng = np.random.default_rng(rows)
+    q = rng.standard_normal((rows, 3, 3, 64), np.float32)
+    keys = jnp.asarray(rng.standard_normal((slots, 3, 64, length), np.float32), dtype)
+    values = jnp.asarray(rng.standard_normal((slots, 3, length, 64), np.float32), dtype)
+    rows_in = rng.choice(slots, size=rows, replace=False).astype(np.int32)
+    positions = rng.integers(0, length, rows).astype(np.int32)
+    positions[-1] = length - 1
+    got = np.asarray(kernel(q, keys, values, rows_in, positions))
+    want = np.asarray(jax.jit(xla_attention)(q, keys, values, rows_in, positions))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
 def test_engine_with_and_without_the_kernel_agree(kernel):
     config = tiny_config(n_kv_heads=4)  # groups of 2
     params = spread_params(config, seed=3)
