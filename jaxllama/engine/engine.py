@@ -566,7 +566,7 @@ class Engine:
         (`fresh`) or as copies of the first `span` positions of slots `sources`, and end in slots `slots`."""
         take = functools.partial(kvcache.take_rows, span=span)
         put = functools.partial(kvcache.put_rows, span=span)
-        run_layers = functools.partial(prefill_layers, config=self.config)
+        run_layers = functools.partial(prefill_layers, config=self.config, kernel=self._kernels)
         for (a, b), params in zip(self._runs, self._run_params, strict=True):
             caches = [self._cache_sharding] * (b - a)
             rows = None if fresh else self._run("prefill_take", take, (self.cache[a:b], sources), span, out=caches)

@@ -131,18 +131,19 @@ def prefill_inputs(params, tokens, starts, *, config: ModelConfig):
     return embed(params, tokens), positions, rope_angles(positions, config)
 
 
-def prefill_layers(layer_params, x, positions, rope, rows: KVCache | None, *, config: ModelConfig):
+def prefill_layers(layer_params, x, positions, rope, rows: KVCache | None, *, config: ModelConfig, kernel=False):
     """Some consecutive layers of a prefill (`rope`: the positions' rotary angles, from `prefill_inputs`), over the
     rows' own caches: `rows` per layer holds, for each of the n
     rows, the first `span` positions of a slot that already computed a prefix of its prompt (`kvcache.take_rows`),
     or is None for prompts computed from their start (span = x's length). Returns (x, rows with the new tokens'
     keys/values), which `kvcache.put_rows` then stores in the rows' slots. The slots' cache is no input here, so
     that these programs, the costliest to compile, are compiled per rows x tokens x span and not also per cache
-    length (SmolLM2, 256-request job: ~24 programs instead of ~40, ~1.1 s each)."""
+    length (SmolLM2, 256-request job: ~24 programs instead of ~40, ~1.1 s each). `kernel`: attention through the
+    CPU kernel, as in `layers`."""
     if rows is None:
         shapes = cache_shapes(config, x.shape[0], x.shape[1])
         rows = [tuple(jnp.zeros(shape, x.dtype) for shape in shapes)] * len(layer_params)
-    return layers(layer_params, config, x, positions, rows, rope=rope)
+    return layers(layer_params, config, x, positions, rows, rope=rope, kernel=kernel)
 
 
 def prefill_last(x, lengths):
