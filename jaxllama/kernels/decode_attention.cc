@@ -37,82 +37,95 @@ inline float ToFloat(BFloat16 x) {
   return f;
 }
 
-// kLanes elements from p, as floats.
+using jaxllama::kRegLanes;
+using jaxllama::Reg;
+
 inline Vec Load(const float* p) {
   Vec v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline Vec Load(const _Float16* p) {  // F16C's vcvtph2ps where the CPU has it
-  typedef _Float16 Halves __attribute__((vector_size(kLanes * 2)));
-  Halves h;
-  std::memcpy(&h, p, sizeof(h));
-  return __builtin_convertvector(h, Vec);
+// kRegLanes of the cache's elements from p, as floats.
+inline Reg LoadReg(const float* p) {
+  Reg v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
 }
 
-inline Vec Load(const BFloat16* p) {  // a bfloat16 is a float32's high half
-  typedef uint16_t Halves __attribute__((vector_size(kLanes * 2)));
+inline Reg LoadReg(const _Float16* p) {  // F16C's vcvtph2ps where the CPU has it
+#if defined(JAXLLAMA_WIDE)
+  return reinterpret_cast<Reg>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+  return reinterpret_cast<Reg>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  Reg v;
+  for (int i = 0; i < kRegLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+inline Reg LoadReg(const BFloat16* p) {  // a bfloat16 is a float32's high half
+  typedef uint16_t Halves __attribute__((vector_size(sizeof(Reg) / 2)));
+  typedef uint32_t Bits __attribute__((vector_size(sizeof(Reg))));
   Halves h;
   std::memcpy(&h, p, sizeof(h));
-  const jaxllama::UInts bits = __builtin_convertvector(h, jaxllama::UInts) << 16;
-  Vec v;
+  const Bits bits = __builtin_convertvector(h, Bits) << 16;
+  Reg v;
   std::memcpy(&v, &bits, sizeof(v));
   return v;
 }
 
-inline Vec Broadcast(float s) { return Vec{s, s, s, s, s, s, s, s}; }
-
-// scores[j, t0..t0 + 2 kLanes) = q[j] . keys[:, t0..] x scale for kG query heads: each key vector is read once
-// for all of them, and the sums stay in registers. Keys are [dim, length]: a block reads 64 bytes of each dim's row,
-// and fetches the next block's ahead (many rows far apart defeat the hardware's prefetch).
-template <int kG, typename C>
+// scores[j, t0..t0 + kV x kRegLanes) = q[j] . keys[:, t0..] x scale for kG query heads: each key vector is read
+// once for all of them, and the sums stay in registers. Keys are [dim, length]: a block reads up to 128 bytes of
+// each dim's row, and fetches the next block's ahead (many rows far apart defeat the hardware's prefetch).
+template <int kG, int kV, typename C>
 void ScoreBlock(const float* q, const C* keys, int64_t hd, int64_t n, int64_t t0, float scale, float* scores) {
-  Vec acc[kG][2] = {};
+  Reg acc[kG][kV] = {};
   for (int64_t d = 0; d < hd; ++d) {
     const C* k = keys + d * n + t0;
-    __builtin_prefetch(k + 2 * kLanes);
-    const Vec k0 = Load(k), k1 = Load(k + kLanes);
+    __builtin_prefetch(k + kV * kRegLanes);
+    Reg key[kV];
+    for (int h = 0; h < kV; ++h) key[h] = LoadReg(k + h * kRegLanes);
     for (int j = 0; j < kG; ++j) {
-      const Vec w = Broadcast(q[j * hd + d]);
-      acc[j][0] += w * k0;
-      acc[j][1] += w * k1;
+      const Reg w = jaxllama::Splat<Reg>(q[j * hd + d]);
+      for (int h = 0; h < kV; ++h) acc[j][h] += w * key[h];
     }
   }
-  for (int j = 0; j < kG; ++j) {
-    const Vec lo = acc[j][0] * scale, hi = acc[j][1] * scale;
-    std::memcpy(scores + j * n + t0, &lo, sizeof(Vec));
-    std::memcpy(scores + j * n + t0 + kLanes, &hi, sizeof(Vec));
-  }
+  for (int j = 0; j < kG; ++j)
+    for (int h = 0; h < kV; ++h) {
+      const Reg s = acc[j][h] * scale;
+      std::memcpy(scores + j * n + t0 + h * kRegLanes, &s, sizeof(Reg));
+    }
 }
 
-// out[j, e0..e0 + 2 kLanes) = sum over t < visible of p[j, t] x values[t, e0..] for kG query heads.
-template <int kG, typename C>
+// out[j, e0..e0 + kV x kRegLanes) = sum over t < visible of p[j, t] x values[t, e0..] for kG query heads.
+template <int kG, int kV, typename C>
 void WeighBlock(const float* p, const C* values, int64_t hd, int64_t n, int64_t visible, int64_t e0, float* out) {
-  Vec acc[kG][2] = {};
+  Reg acc[kG][kV] = {};
   for (int64_t t = 0; t < visible; ++t) {
     __builtin_prefetch(values + (t + 4) * hd + e0);
-    const Vec v0 = Load(values + t * hd + e0), v1 = Load(values + t * hd + e0 + kLanes);
+    Reg value[kV];
+    for (int h = 0; h < kV; ++h) value[h] = LoadReg(values + t * hd + e0 + h * kRegLanes);
     for (int j = 0; j < kG; ++j) {
-      const Vec w = Broadcast(p[j * n + t]);
-      acc[j][0] += w * v0;
-      acc[j][1] += w * v1;
+      const Reg w = jaxllama::Splat<Reg>(p[j * n + t]);
+      for (int h = 0; h < kV; ++h) acc[j][h] += w * value[h];
     }
   }
-  for (int j = 0; j < kG; ++j) {
-    std::memcpy(out + j * hd + e0, &acc[j][0], sizeof(Vec));
-    std::memcpy(out + j * hd + e0 + kLanes, &acc[j][1], sizeof(Vec));
-  }
+  for (int j = 0; j < kG; ++j)
+    for (int h = 0; h < kV; ++h) std::memcpy(out + j * hd + e0 + h * kRegLanes, &acc[j][h], sizeof(Reg));
 }
 
-// kG query heads' scores (`scoring`: positions [0, visible), 2 x kLanes at a time where the cache's length allows, the
-// rest one by one) or weighted values (2 x kLanes dims at a time, the rest one by one).
+// kG query heads' scores (`scoring`: positions [0, visible), 2 or 1 x kRegLanes at a time where the cache's length
+// allows, the rest one by one) or weighted values (2 or 1 x kRegLanes dims at a time, the rest one by one).
 template <int kG, typename C>
 void Heads(const float* q, const C* keys, const C* values, int64_t visible, int64_t hd, int64_t n,
            float scale, float* out, float* scores, bool scoring) {
   if (scoring) {
     int64_t t0 = 0;
-    for (; t0 < visible && t0 + 2 * kLanes <= n; t0 += 2 * kLanes) ScoreBlock<kG, C>(q, keys, hd, n, t0, scale, scores);
+    for (; t0 < visible && t0 + 2 * kRegLanes <= n; t0 += 2 * kRegLanes)
+      ScoreBlock<kG, 2, C>(q, keys, hd, n, t0, scale, scores);
+    for (; t0 < visible && t0 + kRegLanes <= n; t0 += kRegLanes) ScoreBlock<kG, 1, C>(q, keys, hd, n, t0, scale, scores);
     for (int64_t t = t0; t < visible; ++t) {
       for (int j = 0; j < kG; ++j) {
         float sum = 0.0f;
@@ -122,7 +135,8 @@ void Heads(const float* q, const C* keys, const C* values, int64_t visible, int6
     }
   } else {
     int64_t e0 = 0;
-    for (; e0 + 2 * kLanes <= hd; e0 += 2 * kLanes) WeighBlock<kG, C>(scores, values, hd, n, visible, e0, out);
+    for (; e0 + 2 * kRegLanes <= hd; e0 += 2 * kRegLanes) WeighBlock<kG, 2, C>(scores, values, hd, n, visible, e0, out);
+    for (; e0 + kRegLanes <= hd; e0 += kRegLanes) WeighBlock<kG, 1, C>(scores, values, hd, n, visible, e0, out);
     for (int64_t e = e0; e < hd; ++e) {
       for (int j = 0; j < kG; ++j) {
         float sum = 0.0f;

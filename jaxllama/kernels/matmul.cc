@@ -30,20 +30,20 @@ namespace {
 using jaxllama::kLanes;
 using jaxllama::Vec;
 
-// The vectors a tile computes in: AVX-512's where the CPU has them, else `vec.h`'s eight floats. A panel's row is
-// kParts of them.
+// A tile computes in `vec.h`'s Reg vectors (AVX-512's where the CPU has them); a panel's row is kParts of them.
+using jaxllama::kRegLanes;
+using jaxllama::Reg;
+using jaxllama::RegInts;
+using jaxllama::RegShorts;
+
+// kRegLanes pairs of int8 from p, as int16 lanes.
+inline RegShorts LoadPairs(const int8_t* p) {
 #if defined(JAXLLAMA_WIDE)
-using Reg = jaxllama::Wide;
-using RegInts = jaxllama::WideInts;
-using RegShorts = jaxllama::WideShorts;
-inline RegShorts LoadPairs(const int8_t* p) { return jaxllama::LoadWideBytes(p); }
+  return jaxllama::LoadWideBytes(p);
 #else
-using Reg = Vec;
-using RegInts = jaxllama::Ints;
-using RegShorts = jaxllama::Shorts;
-inline RegShorts LoadPairs(const int8_t* p) { return jaxllama::LoadBytes(p); }
+  return jaxllama::LoadBytes(p);
 #endif
-constexpr int64_t kRegLanes = sizeof(Reg) / sizeof(float);
+}
 
 constexpr int64_t kPanel = 2 * kLanes;  // output columns per panel; a gated one: kLanes gate and kLanes up columns
 constexpr int64_t kParts = kPanel / kRegLanes;  // vectors per row of a panel

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -93,6 +93,18 @@ inline WideInts DotBytes(WideInts acc, WideInts u, WideInts s) {
 #endif
 }
 #endif
+
+// The vectors the kernels compute in where width pays: AVX-512's where the CPU has them, else Vec's eight floats.
+#if defined(JAXLLAMA_WIDE)
+using Reg = Wide;
+using RegInts = WideInts;
+using RegShorts = WideShorts;
+#else
+using Reg = Vec;
+using RegInts = Ints;
+using RegShorts = Shorts;
+#endif
+constexpr int kRegLanes = sizeof(Reg) / sizeof(float);
 
 // A vector of V's type with every lane s: one broadcast (`V{} + s` would also add a zero).
 template <typename V, typename S>
