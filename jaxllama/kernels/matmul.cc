@@ -16,11 +16,14 @@
 // 16 of the 32 as accumulators.
 #include <algorithm>
 #include <array>
-#include <utility>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
+
+#include <sched.h>
 
 #include "ffi.h"
 #include "vec.h"
@@ -283,26 +286,43 @@ constexpr std::array<QuantizedTileFn, kQTile> kQuantizedTiles[2] = {
     QuantizedTiles<F, kGated, 1>(std::make_index_sequence<kQTile>{}),
     QuantizedTiles<F, kGated, kQTilePanels>(std::make_index_sequence<kQTile>{})};
 
-// Chunks: blocks of kBlock rows x groups of panels.
+// Chunks: for quantized panels first `quantizing` chunks that quantize x's rows (which the product's chunks wait
+// for: every thread then quantizes a share of them), then blocks of kBlock rows x groups of panels.
 template <bool kGated>
 struct Product : jaxllama::Job {
   static constexpr int64_t kOut = kGated ? kLanes : kPanel;  // output columns per panel
-  Product(int64_t chunks, int64_t groups, int64_t per_group) : Job(chunks), groups(groups), per_group(per_group) {}
+  Product(int64_t quantizing, int64_t products, int64_t groups, int64_t per_group)
+      : Job(quantizing + products), quantizing(quantizing), groups(groups), per_group(per_group) {}
   const float *x, *w;  // float32 panels, or for quantized ones (w nullptr):
-  const void* xq = nullptr;  // x quantized (`QuantizeRows`: int16; `QuantizeRowsToBytes`: int8), its scales xs,
-  const float *xs = nullptr, *scales = nullptr;  // (int8) its block sums xsum, the panels q and their scales
-  const int32_t* xsum = nullptr;
+  void* xq = nullptr;  // x quantized (`QuantizeRows`: int16; `QuantizeRowsToBytes`: int8), its scales xs,
+  float* xs = nullptr;  // (int8) its block sums xsum, the panels q and their scales
+  int32_t* xsum = nullptr;
+  const float* scales = nullptr;
   const int8_t* q = nullptr;
   bool quads = false;  // q holds Quads, else Pairs
   float* out;
   int64_t rows, k, n, panels;
   int64_t kp = 0;  // a quantized panel's inputs: k padded to whole blocks
-  const int64_t groups, per_group;
+  const int64_t quantizing, groups, per_group;
+  std::atomic<int64_t> quantized{0};  // quantizing chunks done
 
   void Run(int64_t c) override {
+    const int64_t blocks = kp / kQBlock;
+    if (c < quantizing) {
+      const int64_t per = (rows + quantizing - 1) / quantizing, r0 = c * per, r1 = std::min(rows, r0 + per);
+      if (r0 < r1 && quads) {
+        QuantizeRowsToBytes(x + r0 * k, r1 - r0, k, kp, static_cast<int8_t*>(xq) + r0 * kp, xs + r0 * blocks,
+                            xsum + r0 * blocks);
+      } else if (r0 < r1) {
+        QuantizeRows(x + r0 * k, r1 - r0, k, kp, static_cast<int16_t*>(xq) + r0 * kp, xs + r0 * blocks);
+      }
+      quantized.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    while (quantized.load(std::memory_order_acquire) < quantizing) sched_yield();  // claimed, so being done
+    c -= quantizing;
     const int64_t r0 = (c / groups) * kBlock, r1 = std::min(rows, r0 + kBlock);
     const int64_t p0 = (c % groups) * per_group, p1 = std::min(panels, p0 + per_group);
-    const int64_t blocks = kp / kQBlock;
     const int64_t step = q ? kQTilePanels : kTilePanels, tile_rows = q ? kQTile : kTile;
     for (int64_t p = p0; p < p1;) {
       const bool whole = p + step <= p1;  // a tile of `step` panels, else of one
@@ -361,7 +381,9 @@ XLA_FFI_Error* Handle(XLA_FFI_CallFrame* frame) {
   const int64_t step = quantized ? kQTilePanels : kTilePanels;  // panels per tile
   const int64_t per_group = std::max<int64_t>(1, panels * blocks / 64 / step) * step;
   const int64_t groups = (panels + per_group - 1) / per_group;
-  Product<kGated> job(blocks * groups, groups, per_group);
+  // Quantized: x's rows quantized in up to 8 chunks of 4 or more rows, shared like the products.
+  const int64_t quantizing = quantized ? std::min<int64_t>(8, (rows + 3) / 4) : 0;
+  Product<kGated> job(quantizing, blocks * groups, groups, per_group);
   job.x = static_cast<const float*>(x->data);
   job.w = quantized ? nullptr : static_cast<const float*>(w->data);
   // This thread's calls' quantized x, read by the helpers until RunJob returns.
@@ -374,12 +396,10 @@ XLA_FFI_Error* Handle(XLA_FFI_CallFrame* frame) {
     if (quads) {
       xq8.resize(rows * kp);
       xsum.resize(rows * (kp / kQBlock));
-      QuantizeRowsToBytes(job.x, rows, k, kp, xq8.data(), xs.data(), xsum.data());
       job.xq = xq8.data();
       job.xsum = xsum.data();
     } else {
       xq.resize(rows * kp);
-      QuantizeRows(job.x, rows, k, kp, xq.data(), xs.data());
       job.xq = xq.data();
     }
     job.xs = xs.data();

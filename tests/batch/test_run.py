@@ -196,13 +196,16 @@ def test_unreadable_job_or_model_fails_at_once(tiny_chat, tmp_path):
     assert proc.returncode == 2 and "no such file or directory" in proc.stderr.strip().splitlines()[-1]
 
 
-def test_quantized_weights(tiny_chat, tmp_path):
+def test_quantized_weights_and_a_float16_cache(tiny_chat, tmp_path):
     job = write_job(tmp_path / "job.jsonl", GOOD[:2])
-    proc = jaxllama("run", job, "--model", tiny_chat, "--quantize", "q8_0", env={"XLA_FLAGS": ""})  # one device
+    options = ("--quantize", "w8a8", "--kv-cache-dtype", "float16")
+    proc = jaxllama("run", job, "--model", tiny_chat, *options, env={"XLA_FLAGS": ""})  # one device
     assert proc.returncode == 0, proc.stderr
     assert [r["id"] for r in read(tmp_path / "job.out.jsonl")] == ["chat", "plain"]
     proc = jaxllama("run", job, "--model", tiny_chat, "--quantize", "q4_0", "--overwrite")
-    assert proc.returncode == 2 and "quantize='q4_0': expected one of q8_0" in proc.stderr
+    assert proc.returncode == 2 and "quantize='q4_0': expected one of q8_0, w8a8" in proc.stderr
+    proc = jaxllama("run", job, "--model", tiny_chat, "--kv-cache-dtype", "float8", "--overwrite")
+    assert proc.returncode == 2 and "kv_cache_dtype='float8': expected auto or one of float32" in proc.stderr
 
 
 def test_info(tiny_chat):

@@ -76,14 +76,17 @@ def test_kernel_reads_float16_and_bfloat16_caches(kernel, dtype, rows, slots, le
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
 
 
-def test_engine_with_and_without_the_kernel_agree(kernel):
+@pytest.mark.parametrize("kv_cache_dtype", [None, "float16"])
+def test_engine_with_and_without_the_kernel_agree(kernel, kv_cache_dtype):
+    """Prefills and decode steps attend through the kernel or XLA over the same cache (float32, or float16)."""
     config = tiny_config(n_kv_heads=4)  # groups of 2
     params = spread_params(config, seed=3)
     prompts = random_prompts(12, seed=5)
     tokens = {}
     for use in (True, False):
         mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
-        engine = Engine(config, params, mesh, eos_ids=[], max_slots=8, cpu_kernels=use)
+        engine = Engine(config, params, mesh, eos_ids=[], max_slots=8, cpu_kernels=use, kv_cache_dtype=kv_cache_dtype)
+        assert engine.cache[0][0].dtype == (jnp.float16 if kv_cache_dtype else jnp.float32)
         requests = [Request(i, p, SamplingParams(max_tokens=6 + i, temperature=0.0)) for i, p in enumerate(prompts)]
         out = {i: [] for i in range(len(prompts))}
         for update in engine.generate(requests):
