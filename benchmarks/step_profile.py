@@ -1,7 +1,8 @@
 """Where an engine step's time goes: each compiled program's calls timed alone.
 
     python -m benchmarks.step_profile [--requests 32] [--prompt 40] [--max-tokens 64] [--slots 32]
-    python -m benchmarks.step_profile --job JOB.jsonl [--slots 64] [--layers 5] [--quantize q8_0]
+    python -m benchmarks.step_profile --job JOB.jsonl [--slots 64] [--layers 5] [--quantize w8a8|q8_0]
+                                      [--kv-cache-dtype float16]
 
 Runs the engine on the default model (SmolLM2-135M-Instruct, float32) over random prompts, or over a job's
 chat requests (chat template applied, each line's max_tokens, greedy, longest first as `jaxllama run` runs
@@ -58,6 +59,7 @@ def main(
     job: str | None = None,
     layers: int = LAYERS_PER_PROGRAM,
     quantize: str | None = None,
+    kv_cache_dtype: str | None = None,
 ):
     from jaxllama import LLM
 
@@ -70,6 +72,7 @@ def main(
         max_slots=slots,
         layers_per_program=layers,
         quantize=quantize,
+        kv_cache_dtype=kv_cache_dtype,
     )
     rng = np.random.default_rng(seed)
     if job is not None:
