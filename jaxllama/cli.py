@@ -213,20 +213,8 @@ def serve(
     from jaxllama.server.app import create_app
 
     try:
-        llm = _common_setup(
-            model,
-            mesh,
-            chat_template,
-            eos_id,
-            max_batch,
-            max_context,
-            None,
-            None,
-            None,
-            decode_steps,
-            quantize,
-            kv_cache_dtype,
-        )
+        options = {"decode_steps": decode_steps, "quantize": quantize, "kv_cache_dtype": kv_cache_dtype}
+        llm = _common_setup(model, mesh, chat_template, eos_id, max_batch, max_context, None, None, None, **options)
         app = create_app(llm, model_name=served_model_name, max_queue=max_queue, max_tokens=max_tokens)
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))
