@@ -108,7 +108,7 @@ def run(
       decode_steps: decode steps per host round trip.
       quantize: q8_0 or w8a8 to generate with int8 weights (llama.cpp's Q8_0; one CPU device), multiplied by
         inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512 VNNI).
-      kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits (default: the weights' dtype).
+      kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits; auto (default): the weights' dtype.
       overwrite: start over instead of resuming.
       stats_file: also write the summary statistics as JSON here.
       quiet: no progress or summary on stderr.
@@ -205,7 +205,7 @@ def serve(
       decode_steps: decode steps per host round trip.
       quantize: q8_0 or w8a8 to generate with int8 weights (llama.cpp's Q8_0; one CPU device), multiplied by
         inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512 VNNI).
-      kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits (default: the weights' dtype).
+      kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits; auto (default): the weights' dtype.
       log_level: uvicorn's log level (debug, info, warning, error).
     """
     import uvicorn
@@ -279,7 +279,7 @@ def chat(
       chat_template: a built-in template name or a .jinja file.
       quantize: q8_0 or w8a8 to generate with int8 weights (llama.cpp's Q8_0; one CPU device), multiplied by
         inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512 VNNI).
-      kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits (default: the weights' dtype).
+      kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits; auto (default): the weights' dtype.
     """
     try:
         llm = _common_setup(

@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllama.core.config import ModelConfig
+from jaxllama.kernels import matmul as _matmul
 from jaxllama.kernels.decode_attention import decode_attention
 from jaxllama.kernels.matmul import Packed, matmul, pack, pack_gated
-from jaxllama.kernels.matmul import quantize as _quantize
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v); see `cache_shapes`
 
@@ -124,7 +124,7 @@ def attention(p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None
 
     `rows` [b] (optional): the cache row of each x row (n may then exceed b; an index >= n writes nothing);
     by default row i of x is row i of the cache (n == b). `kernel`: attention through the CPU kernel
-    (`kernels/decode_attention.py`, loaded by the caller; float32, one device) instead of XLA: each of the b x t
+    (`kernels/decode_attention.py`, loaded by the caller; float32 weights, one device) instead of XLA: each of the b x t
     queries as one decode query against its row of the cache (XLA ran a prefill's attention at ~50 GFLOP/s, its
     softmax on one thread: 16 rows x 192 tokens over 256 positions, 35 ms a layer)."""
     q, k, v = linear(x, p["wqkv"]) if "wqkv" in p else (linear(x, p[w]) for w in ("wq", "wk", "wv"))
@@ -255,7 +255,8 @@ def pack_weights(params, c: ModelConfig, quantize: str | None = None):
     if isinstance(packed, dict) and c.tie_embeddings and "embedding" in packed:
         packed["output"] = pack(packed["embedding"])
     if quantize:
-        packed = jax.tree.map(lambda w: _quantize(w, quantize) if _is_packed(w) else w, packed, is_leaf=_is_packed)
+        to_int8 = lambda w: _matmul.quantize(w, quantize) if _is_packed(w) else w  # noqa: E731
+        packed = jax.tree.map(to_int8, packed, is_leaf=_is_packed)
     return packed
 
 

@@ -166,7 +166,7 @@ class Engine:
         self.prefixes = ResidentPrefixes(self.slots)
         self.cancelled: set[int] = set()
         self._compiled: dict = {}
-        # Products and decode attention through the CPU kernels (`_use_cpu_kernels`), else XLA's own code.
+        # Products and attention through the CPU kernels (`_use_cpu_kernels`), else XLA's own code.
         self._kernels = cpu_kernels and self._use_cpu_kernels()
         if quantize is not None and not self._kernels:
             raise ValueError(
@@ -454,7 +454,7 @@ class Engine:
         return list(range(self.slots))
 
     def _use_cpu_kernels(self) -> bool:
-        """Whether the model's products and decode attention run through the CPU kernels (`kernels/`): on one CPU
+        """Whether the model's products and attention run through the CPU kernels (`kernels/`): on one CPU
         device, in float32, where they build (once per machine; the build counts as compilation). SmolLM2: a
         32-row product at 55-65 GFLOP/s against XLA's 45-50; decode attention over 64 rows x 384 positions in 3
         ms per layer against 8."""
@@ -566,7 +566,10 @@ class Engine:
         (`fresh`) or as copies of the first `span` positions of slots `sources`, and end in slots `slots`."""
         take = functools.partial(kvcache.take_rows, span=span)
         put = functools.partial(kvcache.put_rows, span=span)
-        run_layers = functools.partial(prefill_layers, config=self.config, kernel=self._kernels)
+        cache_dtype = jnp.dtype(self.cache_dtype).name  # a static argument: a name, not a dtype object
+        run_layers = functools.partial(
+            prefill_layers, config=self.config, kernel=self._kernels, cache_dtype=cache_dtype
+        )
         for (a, b), params in zip(self._runs, self._run_params, strict=True):
             caches = [self._cache_sharding] * (b - a)
             rows = None if fresh else self._run("prefill_take", take, (self.cache[a:b], sources), span, out=caches)

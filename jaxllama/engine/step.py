@@ -131,7 +131,9 @@ def prefill_inputs(params, tokens, starts, *, config: ModelConfig):
     return embed(params, tokens), positions, rope_angles(positions, config)
 
 
-def prefill_layers(layer_params, x, positions, rope, rows: KVCache | None, *, config: ModelConfig, kernel=False):
+def prefill_layers(
+    layer_params, x, positions, rope, rows: KVCache | None, *, config: ModelConfig, kernel=False, cache_dtype=None
+):
     """Some consecutive layers of a prefill (`rope`: the positions' rotary angles, from `prefill_inputs`), over the
     rows' own caches: `rows` per layer holds, for each of the n
     rows, the first `span` positions of a slot that already computed a prefix of its prompt (`kvcache.take_rows`),
@@ -139,10 +141,11 @@ def prefill_layers(layer_params, x, positions, rope, rows: KVCache | None, *, co
     keys/values), which `kvcache.put_rows` then stores in the rows' slots. The slots' cache is no input here, so
     that these programs, the costliest to compile, are compiled per rows x tokens x span and not also per cache
     length (SmolLM2, 256-request job: ~24 programs instead of ~40, ~1.1 s each). `kernel`: attention through the
-    CPU kernel, as in `layers`."""
+    CPU kernel, as in `layers`. `cache_dtype`: the slots' cache's (default x's), which fresh rows' caches take, so
+    that a prompt attends over the same rounded keys and values whether or not it starts from a stored prefix."""
     if rows is None:
         shapes = cache_shapes(config, x.shape[0], x.shape[1])
-        rows = [tuple(jnp.zeros(shape, x.dtype) for shape in shapes)] * len(layer_params)
+        rows = [tuple(jnp.zeros(shape, cache_dtype or x.dtype) for shape in shapes)] * len(layer_params)
     return layers(layer_params, config, x, positions, rows, rope=rope, kernel=kernel)
 
 

@@ -23,13 +23,16 @@ using jaxllama::Vec;
 
 constexpr int kGroupsAtOnce = 4;  // query heads of a kv head whose sums are kept in registers together
 
-// The cache's element types: float32, float16 (`_Float16`) or bfloat16 (its bits), each read as floats.
+// The cache's element types: float32, float16 or bfloat16 (their bits), each read as floats.
+struct Half {
+  uint16_t bits;
+};
 struct BFloat16 {
   uint16_t bits;
 };
 
 inline float ToFloat(float x) { return x; }
-inline float ToFloat(_Float16 x) { return static_cast<float>(x); }
+inline float ToFloat(Half x) { return jaxllama::HalfToFloat(x.bits); }
 inline float ToFloat(BFloat16 x) {
   const uint32_t bits = uint32_t{x.bits} << 16;
   float f;
@@ -53,14 +56,14 @@ inline Reg LoadReg(const float* p) {
   return v;
 }
 
-inline Reg LoadReg(const _Float16* p) {  // F16C's vcvtph2ps where the CPU has it
+inline Reg LoadReg(const Half* p) {  // F16C's vcvtph2ps where the CPU has it
 #if defined(JAXLLAMA_WIDE)
   return reinterpret_cast<Reg>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 #elif defined(__F16C__)
   return reinterpret_cast<Reg>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #else
   Reg v;
-  for (int i = 0; i < kRegLanes; ++i) v[i] = static_cast<float>(p[i]);
+  for (int i = 0; i < kRegLanes; ++i) v[i] = ToFloat(p[i]);
   return v;
 #endif
 }
@@ -269,7 +272,7 @@ extern "C" XLA_FFI_Error* JaxllamaDecodeAttention(XLA_FFI_CallFrame* frame) {
     return Fail(api, "decode_attention: shapes disagree");
 
   const Shape shape{qd[0], kd[0], qd[1], qd[2], qd[3], kd[3]};
-  if (cache == XLA_FFI_DataType_F16) return Run<_Float16>(frame, in, result, shape);
+  if (cache == XLA_FFI_DataType_F16) return Run<Half>(frame, in, result, shape);
   if (cache == XLA_FFI_DataType_BF16) return Run<BFloat16>(frame, in, result, shape);
   return Run<float>(frame, in, result, shape);
 }

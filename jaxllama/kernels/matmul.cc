@@ -84,7 +84,7 @@ void Store(Reg first, Reg last, float* out, int64_t width) {
   }
 }
 
-// The columns of an output n columns wide (kOut per panel) in panel p.
+// The columns of an output n columns wide (out_per_panel in each panel) in panel p.
 inline int64_t Width(int64_t n, int64_t out_per_panel, int64_t p) {
   return std::max<int64_t>(0, std::min(out_per_panel, n - p * out_per_panel));
 }
@@ -245,7 +245,7 @@ void QuantizeRowsToBytes(const float* x, int64_t rows, int64_t k, int64_t kp, in
     for (int64_t b = 0; b < blocks; ++b) {  // the scales' divisions and roundings, vectorized over blocks
       const float top = scale[b], d = top / 127.0f;
       inverses[b] = d != 0.0f && top <= 3.4028235e38f ? 1.0f / d : 0.0f;  // NaN or inf: counts as 0 ...
-      scale[b] = top <= 3.4028235e38f ? static_cast<float>(static_cast<_Float16>(d)) : std::nanf("");  // ... x NaN
+      scale[b] = top <= 3.4028235e38f ? jaxllama::HalfToFloat(jaxllama::FloatToHalf(d)) : std::nanf("");  // ... x NaN
     }
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t start = b * kQBlock, n = std::min(k - start, kQBlock);
@@ -386,7 +386,7 @@ XLA_FFI_Error* Handle(XLA_FFI_CallFrame* frame) {
   Product<kGated> job(quantizing, blocks * groups, groups, per_group);
   job.x = static_cast<const float*>(x->data);
   job.w = quantized ? nullptr : static_cast<const float*>(w->data);
-  // This thread's calls' quantized x, read by the helpers until RunJob returns.
+  // This thread's calls' quantized x, written and read by all the job's threads until RunJob returns.
   thread_local std::vector<int16_t> xq;
   thread_local std::vector<int8_t> xq8;
   thread_local std::vector<float> xs;

@@ -40,8 +40,8 @@ class Packed:
     PANEL output columns each (the last zero-padded): each panel is one contiguous stream for the kernel. Several
     weights are one product, whose output `matmul` splits again (their out shapes: `out_shapes`). `gated`: a
     gate and an up projection (`pack_gated`), one output. Quantized (`quantize`): int8 panels [panels, in padded to
-    whole blocks of Q_BLOCK, PANEL] holding their inputs in pairs, column by column, and `scales` [panels, blocks,
-    PANEL], each column's scale for each block."""
+    whole blocks of Q_BLOCK, PANEL] holding their inputs in pairs (int8, "q8_0") or fours (uint8, q + 128,
+    "w8a8"), column by column, and `scales` [panels, blocks, PANEL], each column's scale for each block."""
 
     panels: jax.Array
     out_shapes: tuple[tuple[int, ...], ...] = dataclasses.field(metadata={"static": True})

@@ -2,6 +2,7 @@
 // NEON or scalar code per target, and AVX-512's vectors of sixteen where the CPU has them (`Wide`).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -105,6 +106,49 @@ using RegInts = Ints;
 using RegShorts = Shorts;
 #endif
 constexpr int kRegLanes = sizeof(Reg) / sizeof(float);
+
+// float16 <-> float32 for one value, by F16C where the CPU has it (x86 since 2012), else bit by bit (round to
+// nearest, even; without `_Float16`, which older compilers lack on x86).
+inline float HalfToFloat(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t{h & 0x8000u} << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf, NaN
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else {  // zero or subnormal: mantissa x 2^-24
+    const float f = static_cast<float>(mantissa) * 5.9604645e-8f;
+    std::memcpy(&bits, &f, sizeof(bits));
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
+inline uint16_t FloatToHalf(float f) {
+#if defined(__F16C__)
+  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  const uint16_t sign = (bits >> 16) & 0x8000u;
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return sign | 0x7e00u;  // NaN
+  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;  // rounds to or past 65520: inf
+  if (magnitude < 0x38800000u) {  // below 2^-14: a subnormal half, |f| / 2^-24 rounded to nearest, even
+    float m;
+    std::memcpy(&m, &magnitude, sizeof(m));
+    return sign | static_cast<uint16_t>(std::nearbyint(m * 16777216.0f));
+  }
+  const uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u);  // to nearest, even, at bit 13
+  return sign | static_cast<uint16_t>((rounded - (112u << 23)) >> 13);
+#endif
+}
 
 // A vector of V's type with every lane s: one broadcast (`V{} + s` would also add a zero).
 template <typename V, typename S>

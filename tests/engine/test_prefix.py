@@ -100,3 +100,20 @@ def test_reuse_keeps_penalties_and_seeds_exact(tiny):
         fresh.update(outputs([[i]])[0])
     assert cached_alone == 2 * len(system)
     assert alone == fresh
+
+
+def _logprobs(engine, request):
+    return [lp for u in engine.generate([request]) for lp in u.logprobs]
+
+
+def test_a_float16_cache_gives_the_same_numbers_from_a_stored_prefix_as_computed_afresh(tiny):
+    """With the cache in 16 bits, a prompt computed from its start attends over the same rounded keys and values
+    as one that starts from a slot's stored prefix: the same log-probabilities, to the bit, either way."""
+    rng = np.random.default_rng(6)
+    first = rng.integers(3, 131, 30).tolist()
+    second = first + rng.integers(3, 131, 9).tolist()
+    fresh = _logprobs(_engine(tiny, max_slots=4, kv_cache_dtype="float16"), _greedy("b", second))
+    engine = _engine(tiny, max_slots=4, kv_cache_dtype="float16")
+    _logprobs(engine, _greedy("a", first, 4))
+    assert engine.prefixes.best(second)[1] >= 20  # the second prompt starts from the first's slot
+    assert _logprobs(engine, _greedy("b", second)) == fresh

@@ -53,8 +53,11 @@ def test_inputs_are_quantized_as_ggml_q8_0_to_the_bit():
     is one input's Q8_0 value times the weight: float32 of (127 q) x (2^-7 x d), d the input block's float16 scale."""
     rng = np.random.default_rng(2)
     x = inputs(rng, 9, 96)
-    x[1, :32] = np.arange(32) - 15.5  # ties: x x (1 / d) lands on halves, which round away from zero
-    x[2, 40] = 1e-30  # a block of one tiny value
+    x[1, :32] = np.arange(32) - 15.5  # with 127 below, d = 1: each value a tie, which rounds away from zero
+    x[1, 31] = 127.0
+    x[2, 32:64] = (np.arange(32) - 16) * 0.25 + 0.125  # d = 3.875 / 127: values near, not on, halves
+    x[2, 64:] = 0.0
+    x[2, 70] = 1e-30  # a block of one tiny value: its scale is 0 in float16
     w = np.eye(96, dtype=np.float32) * np.float32(127 / 128)
     got = np.asarray(matmul.matmul(jnp.asarray(x), matmul.quantize(matmul.pack(jnp.asarray(w)), "w8a8")))
     blocks = quants.quantize(x, GGMLQuantizationType.Q8_0).reshape(9, 3, 34)
