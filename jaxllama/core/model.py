@@ -255,7 +255,7 @@ def pack_weights(params, c: ModelConfig, quantize: str | None = None):
     if isinstance(packed, dict) and c.tie_embeddings and "embedding" in packed:
         packed["output"] = pack(packed["embedding"])
     if quantize:
-        to_int8 = lambda w: _matmul.quantize(w, quantize) if _is_packed(w) else w  # noqa: E731
+        to_int8 = lambda w: _matmul.quantize(w, quantize) if _is_packed(w) else w
         packed = jax.tree.map(to_int8, packed, is_leaf=_is_packed)
     return packed
 
