@@ -9,8 +9,8 @@
 // llama.cpp's Q8_0) take 1.125 bytes a weight instead of 4, the bytes that bound a one-row product. Their products
 // quantize each row of x per block (a scale per row and block) and sum each block exactly in int32, then add it in
 // float times the two scales: "q8_0" quantizes x to int16 and sums by pmaddwd (16 multiply-adds an AVX2
-// instruction, 32 with AVX-512 VNNI's vpdpwssd); "w8a8" quantizes x to int8 as llama.cpp does (Q8_0) and sums by
-// vpdpbusd (64 multiply-adds an AVX-512 VNNI instruction, four times a float FMA's). As in float32, each row is
+// instruction, 32 with AVX-512 VNNI's vpdpwssd); "w8a8" quantizes x to int8 as Q8_0 (as llama.cpp's products do)
+// and sums by vpdpbusd (64 multiply-adds an AVX-512 VNNI instruction, four times a float FMA's). As in float32, each row is
 // computed on its own, in the same order, whatever rows share its call. XLA FFI handlers (`ffi.h`).
 // On CPUs with AVX-512 the tiles compute in its 16-float registers, and a float32 tile of 8 rows x 2 panels keeps
 // 16 of the 32 as accumulators.
