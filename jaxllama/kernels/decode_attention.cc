@@ -128,7 +128,8 @@ void Heads(const float* q, const C* keys, const C* values, int64_t visible, int6
     int64_t t0 = 0;
     for (; t0 < visible && t0 + 2 * kRegLanes <= n; t0 += 2 * kRegLanes)
       ScoreBlock<kG, 2, C>(q, keys, hd, n, t0, scale, scores);
-    for (; t0 < visible && t0 + kRegLanes <= n; t0 += kRegLanes) ScoreBlock<kG, 1, C>(q, keys, hd, n, t0, scale, scores);
+    for (; t0 < visible && t0 + kRegLanes <= n; t0 += kRegLanes)
+      ScoreBlock<kG, 1, C>(q, keys, hd, n, t0, scale, scores);
     for (int64_t t = t0; t < visible; ++t) {
       for (int j = 0; j < kG; ++j) {
         float sum = 0.0f;
@@ -243,8 +244,9 @@ XLA_FFI_Error* Run(XLA_FFI_CallFrame* frame, XLA_FFI_Buffer* const* in, XLA_FFI_
 }  // namespace
 
 // Arguments: q [rows, kv, groups, dim] f32; keys [slots, kv, dim, length] and values [slots, kv, length, dim], both
-// f32, f16 or bf16; slots [rows] s32 (the cache row of each query row; out of range: a padding row, whose output is zeros);
-// positions [rows] s32 (the query's position: it sees positions 0..position). Result: [rows, kv, groups, dim].
+// f32, f16 or bf16; slots [rows] s32 (the cache row of each query row; out of range: a padding row, whose output is
+// zeros); positions [rows] s32 (the query's position: it sees positions 0..position). Result: [rows, kv, groups,
+// dim] f32.
 extern "C" XLA_FFI_Error* JaxllamaDecodeAttention(XLA_FFI_CallFrame* frame) {
   using jaxllama::Fail;
   const XLA_FFI_Api* api = frame->api;

@@ -10,8 +10,8 @@
 // quantize each row of x per block (a scale per row and block) and sum each block exactly in int32, then add it in
 // float times the two scales: "q8_0" quantizes x to int16 and sums by pmaddwd (16 multiply-adds an AVX2
 // instruction, 32 with AVX-512 VNNI's vpdpwssd); "w8a8" quantizes x to int8 as Q8_0 (as llama.cpp's products do)
-// and sums by vpdpbusd (64 multiply-adds an AVX-512 VNNI instruction, four times a float FMA's). As in float32, each row is
-// computed on its own, in the same order, whatever rows share its call. XLA FFI handlers (`ffi.h`).
+// and sums by vpdpbusd (64 multiply-adds an AVX-512 VNNI instruction, four times a float FMA's). As in float32,
+// each row is computed on its own, in the same order, whatever rows share its call. XLA FFI handlers (`ffi.h`).
 // On CPUs with AVX-512 the tiles compute in its 16-float registers, and a float32 tile of 8 rows x 2 panels keeps
 // 16 of the 32 as accumulators.
 #include <algorithm>
@@ -109,7 +109,8 @@ void Tile(const float* x, int64_t ldx, const float* w, int64_t k, float* out, in
   }
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < kPanels; ++j)
-      Store<kGated>(acc[r][j * kParts], acc[r][j * kParts + kParts - 1], out + r * ldo + j * kOut, Width(n, kOut, p + j));
+      Store<kGated>(acc[r][j * kParts], acc[r][j * kParts + kParts - 1], out + r * ldo + j * kOut,
+                    Width(n, kOut, p + j));
 }
 
 // The two int8 weight formats. Pairs (`quantize(w, "q8_0")`): each column's inputs in pairs of int8, x as int16,
@@ -177,7 +178,8 @@ void QuantizedTile(const void* xq_data, const float* xs, const int32_t* xsum, in
   }
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < kPanels; ++j)
-      Store<kGated>(acc[r][j * kParts], acc[r][j * kParts + kParts - 1], out + r * ldo + j * kOut, Width(n, kOut, p + j));
+      Store<kGated>(acc[r][j * kParts], acc[r][j * kParts + kParts - 1], out + r * ldo + j * kOut,
+                    Width(n, kOut, p + j));
 }
 
 // xq[rows, kp] and xs[rows, kp / kQBlock] for x[rows, k] (`QuantizedTile`): per row and block, scale = max |x| /

@@ -80,7 +80,8 @@ inline WideInts MultiplyAddPairs(WideInts acc, WideInts a, WideShorts b) {
   return reinterpret_cast<WideInts>(
       _mm512_dpwssd_epi32(reinterpret_cast<__m512i>(acc), reinterpret_cast<__m512i>(a), reinterpret_cast<__m512i>(b)));
 #else
-  return acc + reinterpret_cast<WideInts>(_mm512_madd_epi16(reinterpret_cast<__m512i>(a), reinterpret_cast<__m512i>(b)));
+  const __m512i products = _mm512_madd_epi16(reinterpret_cast<__m512i>(a), reinterpret_cast<__m512i>(b));
+  return acc + reinterpret_cast<WideInts>(products);
 #endif
 }
 
