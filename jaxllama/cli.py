@@ -282,19 +282,8 @@ def chat(
       kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits; auto (default): the weights' dtype.
     """
     try:
-        llm = _common_setup(
-            model,
-            mesh,
-            chat_template,
-            None,
-            1,
-            None,
-            None,
-            None,
-            None,
-            quantize=quantize,
-            kv_cache_dtype=kv_cache_dtype,
-        )
+        options = {"quantize": quantize, "kv_cache_dtype": kv_cache_dtype}
+        llm = _common_setup(model, mesh, chat_template, None, 1, None, None, None, None, **options)
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []

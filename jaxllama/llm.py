@@ -100,7 +100,7 @@ class LLM:
         from jaxllama.default_model import resolve_model
 
         check_quantization(quantize)  # before a long load
-        kvcache.dtype(kv_cache_dtype, None)
+        kvcache.dtype(kv_cache_dtype, None)  # likewise: raises ValueError for an unknown name
         if compilation_cache:
             enable_compilation_cache()
         path = resolve_model(path)
