@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxllama.engine import kvcache
 from jaxllama.engine.engine import LAYERS_PER_PROGRAM, Engine, Request
-from jaxllama.engine.sampling import SamplingParams
+from jaxllama.engine.request import SamplingParams
 
 
 class TimedEngine(Engine):

@@ -119,8 +119,8 @@ def run(
     from pathlib import Path
 
     from jaxllama.batch.runner import default_output, print_summary, run_job
+    from jaxllama.engine.request import SamplingParams
     from jaxllama.engine.runtime import is_main_process
-    from jaxllama.engine.sampling import SamplingParams
 
     job_path = Path(job)
     if not job_path.is_file():

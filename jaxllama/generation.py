@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 
-from jaxllama.engine.engine import Engine, Request, Timings
-from jaxllama.engine.sampling import SamplingParams
+from jaxllama.engine.engine import Engine
+from jaxllama.engine.request import Request, SamplingParams, Timings
 from jaxllama.text.stops import StopMatcher
 from jaxllama.text.tokenizer import Tokenizer
 

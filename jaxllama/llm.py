@@ -25,8 +25,8 @@ from jaxllama.core.model import forward, sequence_logits
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine import kvcache
 from jaxllama.engine.engine import DEFAULT_SLOTS, Engine
+from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import enable_compilation_cache
-from jaxllama.engine.sampling import SamplingParams
 from jaxllama.generation import Generation, Result
 from jaxllama.kernels.matmul import check_quantization
 from jaxllama.text.chat_template import ChatTemplate, encode_chat

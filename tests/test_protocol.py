@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxllama.engine.sampling import SamplingParams
+from jaxllama.engine.request import SamplingParams
 from jaxllama.protocol.requests import RequestError, output_options, parse_body, submit_error
 from jaxllama.text.chat_template import ChatTemplateError
 

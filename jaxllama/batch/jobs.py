@@ -7,7 +7,7 @@ import dataclasses
 import json
 from typing import Any
 
-from jaxllama.engine.sampling import SamplingParams
+from jaxllama.engine.request import SamplingParams
 from jaxllama.protocol.requests import RequestError, parse_body
 
 OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}

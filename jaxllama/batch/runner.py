@@ -17,8 +17,8 @@ import numpy as np
 from jaxllama.batch import records
 from jaxllama.batch.jobs import JobLine, LineError, line_id, parse_line
 from jaxllama.batch.progress import Progress
+from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import broadcast_from_main
-from jaxllama.engine.sampling import SamplingParams
 from jaxllama.protocol.requests import submit_error
 
 

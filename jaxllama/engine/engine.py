@@ -33,8 +33,9 @@ from jaxllama.core.model import layer_params, pack_weights
 from jaxllama.core.sharding import named_sharding
 from jaxllama.engine import kvcache, programs
 from jaxllama.engine.prefix import ResidentPrefixes, shared_prefixes
+from jaxllama.engine.request import Request, SamplingParams, Timings, Update
 from jaxllama.engine.runtime import agreed_seed, cache_dir, program_cache
-from jaxllama.engine.sampling import SamplerFlags, SamplingParams, SamplingRows
+from jaxllama.engine.sampling import SamplerFlags, SamplingRows
 from jaxllama.engine.step import (
     DecodeState,
     decode_inputs,
@@ -64,42 +65,6 @@ ROW_BUCKETS = (1, 8, 16, 32, 64)  # decode batch sizes below the slot count (see
 # would repay it. Nor for the outputs, whose [rows, vocab] product XLA runs faster (32 rows: 38.7 ms against
 # 45.6). With the CPU kernels (`Engine._use_cpu_kernels`) no program has a product left for YNNPACK.
 XLA_KERNELS = {"xla_cpu_experimental_ynn_fusion_type": ""}  # compiler options: YNNPACK off
-
-
-@dataclasses.dataclass
-class Request:
-    """One generation request: prompt token ids and how to sample."""
-
-    id: object
-    prompt: list[int]
-    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-    submitted: float = dataclasses.field(default_factory=time.perf_counter)
-    priority: int = 0  # admitted before queued requests of lower priority; in order of arrival among equals
-
-
-@dataclasses.dataclass
-class Timings:
-    queue_ms: float = 0.0
-    prefill_ms: float = 0.0
-    ttft_ms: float = 0.0
-    decode_ms: float = 0.0
-    decode_tokens_per_s: float = 0.0
-    total_ms: float = 0.0
-
-
-@dataclasses.dataclass
-class Update:
-    """New tokens of one request from one engine step; `finish_reason` set on its last update."""
-
-    id: object
-    tokens: list[int]
-    logprobs: list[float]
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
-    stop_token: int | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose keys/values were reused, not computed
-    timings: Timings | None = None
 
 
 @dataclasses.dataclass

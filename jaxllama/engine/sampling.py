@@ -8,73 +8,12 @@ the token being drawn: the same seed gives the same tokens whatever else shares 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 
+from jaxllama.engine.request import SamplingParams
 from jaxllama.kernels.row_stats import row_stats
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How one request is sampled. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
-
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0  # HF/CTRL style, on prompt and generated tokens
-    presence_penalty: float = 0.0  # OpenAI style, on generated tokens
-    frequency_penalty: float = 0.0
-    stop_token_ids: tuple[int, ...] = ()  # extra end-of-generation ids for this request
-
-    def __post_init__(self):
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ValueError naming the field when a parameter is out of range."""
-        checks = [
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens > 0, "must be a positive integer"),
-            ("temperature", _finite(self.temperature) and self.temperature >= 0, "must be >= 0"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be an integer >= 0"),
-            ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("min_p", _finite(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("seed", self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), "must be an integer >= 0"),
-            ("repetition_penalty", _finite(self.repetition_penalty) and self.repetition_penalty > 0, "must be > 0"),
-            (
-                "presence_penalty",
-                _finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-                "must be in [-2, 2]",
-            ),
-            (
-                "frequency_penalty",
-                _finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-                "must be in [-2, 2]",
-            ),
-        ]
-        for name, ok, why in checks:
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
-
-    @property
-    def filtered(self) -> bool:
-        return not self.greedy and (self.top_k > 0 or self.top_p < 1)
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @jax.tree_util.register_dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxllama.engine.sampling import SamplingParams
+from jaxllama.engine.request import SamplingParams
 from jaxllama.text.chat_template import ChatTemplateError
 from jaxllama.text.conversation import ConversationError, validate_messages
 

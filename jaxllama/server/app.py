@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxllama.engine.sampling import SamplingParams
+from jaxllama.engine.request import SamplingParams
 from jaxllama.generation import Event, Result
 from jaxllama.protocol import responses
 from jaxllama.protocol.requests import OutputOptions, RequestError, output_options, parse_body, submit_error

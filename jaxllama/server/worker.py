@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from jaxllama.engine.sampling import SamplingParams
+from jaxllama.engine.request import SamplingParams
 from jaxllama.generation import Event, Generation
 
 

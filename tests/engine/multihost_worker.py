@@ -21,7 +21,7 @@ import numpy as np
 from jaxllama.core.params import param_shardings
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine, Request
-from jaxllama.engine.sampling import SamplingParams
+from jaxllama.engine.request import SamplingParams
 from tests.engine.conftest import random_prompts, tiny_config
 
 EOS = 2

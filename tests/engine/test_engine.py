@@ -12,7 +12,7 @@ import pytest
 from jaxllama.core.model import sequence_logits
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine, Request
-from jaxllama.engine.sampling import SamplingParams
+from jaxllama.engine.request import SamplingParams
 from tests.engine.conftest import random_prompts
 
 EOS = 2

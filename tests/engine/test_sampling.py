@@ -9,7 +9,8 @@ import pytest
 
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine, Request
-from jaxllama.engine.sampling import SamplingParams, SamplingRows, candidate_mask
+from jaxllama.engine.request import SamplingParams
+from jaxllama.engine.sampling import SamplingRows, candidate_mask
 from tests.engine.conftest import random_prompts
 
 

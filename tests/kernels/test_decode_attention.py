@@ -11,7 +11,7 @@ import pytest
 from jaxllama.core.model import _decode_attention
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine, Request
-from jaxllama.engine.sampling import SamplingParams
+from jaxllama.engine.request import SamplingParams
 from jaxllama.kernels import decode_attention, library
 from tests.engine.conftest import random_prompts, spread_params, tiny_config
 

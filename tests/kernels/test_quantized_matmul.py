@@ -15,7 +15,7 @@ from jaxllama.core.checkpoint import load_checkpoint
 from jaxllama.core.model import PRODUCT_IN_DIMS, pack_weights
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine, Request
-from jaxllama.engine.sampling import SamplingParams
+from jaxllama.engine.request import SamplingParams
 from jaxllama.kernels import library, matmul
 from tests.engine.conftest import spread_params, tiny_config
 from tests.engine.test_engine import EOS, greedy_requests, reference_greedy, run

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllama.engine.sampling import SamplerFlags, SamplingParams, SamplingRows, sample
+from jaxllama.engine.request import SamplingParams
+from jaxllama.engine.sampling import SamplerFlags, SamplingRows, sample
 from jaxllama.kernels import library
 from jaxllama.kernels.row_stats import row_stats
 

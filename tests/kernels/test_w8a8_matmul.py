@@ -14,7 +14,7 @@ from jaxllama.core.checkpoint import load_checkpoint
 from jaxllama.core.model import pack_weights, sequence_logits
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine, Request
-from jaxllama.engine.sampling import SamplingParams
+from jaxllama.engine.request import SamplingParams
 from jaxllama.kernels import library, matmul
 from tests.engine.conftest import spread_params, tiny_config
 from tests.engine.test_engine import run

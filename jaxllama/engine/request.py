@@ -1,0 +1,115 @@
+"""What the engine is asked to do and what it answers, as plain Python: a request (prompt token ids and how to
+sample them), the updates it produces, and why a request finished. The scheduler, the request pipeline and the
+user-facing layers share these types; none of them needs jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Literal
+
+from jaxllama.errors import InvalidParameter
+
+# Why a request ended: an end-of-generation token or a stop string ("stop"), its token budget or the context
+# ("length"), or a `finish` call from outside ("cancelled", or "stop" for a stop string found in the text).
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0  # HF/CTRL style, on prompt and generated tokens
+    presence_penalty: float = 0.0  # OpenAI style, on generated tokens
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()  # extra end-of-generation ids for this request
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise InvalidParameter naming the field when a parameter is out of range."""
+        checks = [
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens > 0, "must be a positive integer"),
+            ("temperature", _finite(self.temperature) and self.temperature >= 0, "must be >= 0"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be an integer >= 0"),
+            ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("min_p", _finite(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("seed", self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), "must be an integer >= 0"),
+            ("repetition_penalty", _finite(self.repetition_penalty) and self.repetition_penalty > 0, "must be > 0"),
+            (
+                "presence_penalty",
+                _finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+                "must be in [-2, 2]",
+            ),
+            (
+                "frequency_penalty",
+                _finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+                "must be in [-2, 2]",
+            ),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise InvalidParameter(f"{name}={getattr(self, name)!r}: {why}", name)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def filtered(self) -> bool:
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request: prompt token ids and how to sample."""
+
+    id: object
+    prompt: list[int]
+    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    priority: int = 0  # admitted before queued requests of lower priority; in order of arrival among equals
+
+
+@dataclasses.dataclass
+class Timings:
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+    decode_ms: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    total_ms: float = 0.0
+
+
+@dataclasses.dataclass
+class Update:
+    """New tokens of one request from one engine step; `finish_reason` set on its last update, with `stop_reason`:
+    the end-of-generation token id or the stop string that ended it."""
+
+    id: object
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys/values were reused, not computed
+    timings: Timings | None = None

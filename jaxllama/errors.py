@@ -1,0 +1,53 @@
+"""Why a request cannot run: one class per kind of failure, raised where the condition is found.
+
+They live at the bottom of the package (this module imports nothing of jaxllama) so that every layer can raise
+them: the sampling parameters and the engine (a prompt past the context), the text layer (a conversation or a chat
+template), the request pipeline (a body's fields). Only the protocol layer turns them into OpenAI error codes and
+HTTP statuses (`jaxllama.protocol.errors`), by class, never by message. All are ValueErrors: a caller that only
+needs to know "this request is bad" can catch that.
+"""
+
+from __future__ import annotations
+
+
+class RequestError(ValueError):
+    """A request that cannot run. `message` is for people; `param` names the request field at fault, if any."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidRequest(RequestError):
+    """The request's shape is wrong: not an object, no prompt, an unknown kind of line."""
+
+
+class InvalidJSON(InvalidRequest):
+    """A job line that is not JSON."""
+
+
+class InvalidParameter(RequestError):
+    """A field holds a value out of its range or of the wrong type, or asks for something not supported."""
+
+
+class InvalidMessages(RequestError):
+    """A conversation that is not a list of well-formed messages."""
+
+
+class TemplateError(RequestError):
+    """The chat template failed on a conversation."""
+
+
+class ContextLengthExceeded(RequestError):
+    """The prompt leaves no room for a generated token within the context."""
+
+
+class DuplicateId(RequestError):
+    """A job line reuses an id an earlier line has."""
+
+
+class UnsupportedEndpoint(RequestError):
+    """An OpenAI Batch line whose url is not an endpoint jaxllama serves."""
