@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllama.backends.cpu import library, matmul
 from jaxllama.engine.runtime import cache_dir
-from jaxllama.kernels import library, matmul
 
 # SmolLM2-135M: q/k/v as one product, o, gate/up as one gated product, down, the output layer.
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 1536), "down": (1536, 576), "output": (576, 49152)}

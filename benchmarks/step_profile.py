@@ -25,8 +25,8 @@ import jax
 import numpy as np
 
 from jaxllama.engine import kvcache
-from jaxllama.engine.engine import LAYERS_PER_PROGRAM, Engine, Request
-from jaxllama.engine.request import SamplingParams
+from jaxllama.engine.engine import LAYERS_PER_PROGRAM, Engine
+from jaxllama.engine.request import Request, SamplingParams
 
 
 class TimedEngine(Engine):

@@ -2,7 +2,8 @@
 
 `Generation` wraps an `Engine` for the user-facing layers (the `LLM` API, the batch runner, the server):
 requests go in as token ids with sampling parameters and stop strings; text deltas and finished
-`Result`s come out. A stop string ends the request in the engine at once, freeing its slot.
+`Result`s come out. A stop string ends the request in the engine at once (`Engine.finish` with the string as its
+reason), freeing its slot.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 
-from jaxllama.engine.engine import Engine
 from jaxllama.engine.request import Request, SamplingParams, Timings
+from jaxllama.engine.scheduler import Scheduler
 from jaxllama.text.stops import StopMatcher
 from jaxllama.text.tokenizer import Tokenizer
 
@@ -92,13 +93,13 @@ class _Pending:
     text: _Text
     prompt_tokens: int
     want_logprobs: bool
-    cancelling: bool = False
+    finishing: bool = False  # the engine was told to end it
 
 
 class Generation:
     """Drives an engine for requests given as token ids; not thread-safe (one thread calls `step`)."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer):
+    def __init__(self, engine: Scheduler, tokenizer: Tokenizer):
         self.engine, self.tokenizer = engine, tokenizer
         self.pending: dict[object, _Pending] = {}
 
@@ -113,7 +114,7 @@ class Generation:
         priority: int = 0,
     ) -> None:
         """Queue a request; raises ValueError (naming the problem) if it can never run. Requests of higher
-        `priority` get a slot first (`engine.Request`)."""
+        `priority` get a slot first (`Request.priority`)."""
         if id in self.pending:
             raise ValueError(f"request id {id!r} is already running")
         text = _Text(self.tokenizer, stop, include_stop)  # validates the stop strings
@@ -123,8 +124,8 @@ class Generation:
     def cancel(self, id) -> None:
         """Stop a request. A running one ends with a "cancelled" `Result` at the next step; one still waiting
         for a slot is dropped at once, with no event."""
-        waiting = any(r.id == id for r in self.engine.queue)
-        self.engine.cancel(id)
+        waiting = self.engine.is_waiting(id)
+        self.engine.finish(id, "cancelled")
         if waiting:
             self.pending.pop(id, None)
 
@@ -142,16 +143,15 @@ class Generation:
             new_ids = p.text.tokens[before:]
             new_logprobs = p.text.logprobs[before:] if p.want_logprobs else None
             if u.finish_reason is None:
-                if p.text.stopped and not p.cancelling:
-                    self.engine.cancel(u.id)  # a stop string ended it: free the slot
-                    p.cancelling = True
+                if p.text.stopped and not p.finishing:
+                    self.engine.finish(u.id, "stop", p.text.stops.stop_reason)  # free the slot now
+                    p.finishing = True
                 if delta or new_ids:
                     events.append(Event(u.id, delta, None, new_ids, new_logprobs))
                 continue
-            if p.text.stopped:
+            reason, stop_reason = u.finish_reason, u.stop_reason
+            if p.text.stopped:  # a stop string in this last update's text ends it, whatever else did
                 reason, stop_reason = "stop", p.text.stops.stop_reason
-            else:
-                reason, stop_reason = u.finish_reason, u.stop_token
             delta += p.text.finish()
             del self.pending[u.id]
             result = Result(

@@ -1,6 +1,6 @@
 """The decode slots' KV cache: per layer (k, v) in the model's layout (`model.cache_shapes`), batch = slots.
 
-`length` is a bucket, not the model's context: the cache grows to the next bucket when a sequence
+`length` is a bucket (`buckets.bucket`), not the model's context: the cache grows to the next bucket when a sequence
 needs it and shrinks when the long sequences are gone, so attention reads only about the part in use.
 Slots are split over the mesh's `data` axis and KV heads over `model` (replicated when `model` does not
 divide them), by the same logical-axis rules as the weights.
@@ -16,11 +16,6 @@ from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import CACHE_AXES, CACHE_LENGTH_AXIS, KVCache, cache_shapes
 from jaxllama.core.sharding import named_sharding
 
-# The smallest cache: most chat prompts with their template pass 64 tokens within a few steps, and a cache of 64
-# positions would only add its own decode programs (SmolLM2 on job32: 0.8 s to compile, 0.3 s of kernel set-up
-# on first use in each process) for attention that costs little next to the products at either length.
-MIN_BUCKET = 128
-FINE_BUCKETS_FROM = 128  # cache lengths step by 1.5x from here on, by 2x below (see `bucket`)
 # What the cache may be stored in (`Engine(kv_cache_dtype=...)`, `--kv-cache-dtype`); by default the weights' dtype.
 # In 16 bits a decode step reads half the bytes for attention, which long sequences at large batches are bound by
 # (llama.cpp's default is float16).
@@ -44,36 +39,6 @@ def cache_sharding(config: ModelConfig, mesh: Mesh):
 def length(cache: KVCache) -> int:
     """The positions the cache holds."""
     return cache[0][0].shape[CACHE_LENGTH_AXIS[0]]
-
-
-def bucket(n: int, limit: int, minimum: int = MIN_BUCKET) -> int:
-    """The smallest cache length >= n (at least `minimum`), capped at `limit`: powers of two, and from 192 up
-    also 1.5 times them (192, 256, 384, 512, 768, ...). Attention then reads at most half as many positions
-    again as the longest sequence needs, not twice as many (SmolLM2, 64 rows: 84 ms per 5 layers over 384
-    positions, 100 over 512); below 128 positions (a `minimum` below MIN_BUCKET) they double."""
-    size = minimum
-    while size < n:
-        size = _grow(size, fine=size >= FINE_BUCKETS_FROM)
-    return min(size, limit)
-
-
-def prompt_bucket(n: int, limit: int) -> int:
-    """Padded prompt length: a multiple of 16 up to 64, then 1x or 1.5x a power of two (64, 96, 128, 192, ...),
-    so that padding wastes at most a third of a prefill while compilations stay few."""
-    if n <= 64:
-        size = max(16, -(-n // 16) * 16)
-    else:
-        size = 64
-        while size < n:
-            size = _grow(size, fine=True)
-    return min(size, limit)
-
-
-def _grow(size: int, fine: bool) -> int:
-    """The next bucket after `size`: 2x, or with `fine`, 1.5x a power of two and then the next power of two."""
-    if size & (size - 1):  # 1.5 x a power of two
-        return size * 4 // 3
-    return size * 3 // 2 if fine else size * 2
 
 
 def allocate(config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype) -> KVCache:

@@ -1,7 +1,8 @@
-"""The engine's programs kept on disk as exported StableHLO (`jax.export`), so that a later run skips tracing and
-lowering them again (XLA's persistent cache, `runtime.enable_compilation_cache`, skips only the compilation). For
-programs on one device. A file is found again only by the same program of the same jaxllama source, jax version
-and configuration; one that cannot be read is exported again.
+"""The engine's compiled programs: `Programs` compiles each (kind, argument shapes, static switches) once, ahead of
+time, and on one device keeps it on disk as exported StableHLO (`jax.export`), so that a later run skips tracing and
+lowering it again (XLA's persistent cache, `runtime.enable_compilation_cache`, skips only the compilation). A file
+is found again only by the same program of the same jaxllama source, jax version and configuration; one that cannot
+be read is exported again.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ import logging
 import os
 import pickle
 import tempfile
+import time
 from pathlib import Path
 
 import jax
 import jaxlib
 from jax import export
 
-from jaxllama.kernels import library
+from jaxllama.core.ops import Ops
+from jaxllama.engine.runtime import program_cache
+from jaxllama.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +57,39 @@ def program_key(fn, args, donate: int | None, static_key) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
 
-def compile_program(folder: Path, fn, args, donate: int | None, static_key, options: dict):
+class Programs:
+    """The compiled programs of one engine, by (kind, the arguments' pytree, shapes and dtypes, static switches).
+    Compilation is counted and timed in `stats`. `keep_exported`: keep programs on disk where the compilation cache
+    is on (one device of the default backend in one process)."""
+
+    def __init__(self, ops: Ops, stats: EngineStats, keep_exported: bool):
+        self.ops, self.stats, self.keep_exported = ops, stats, keep_exported
+        self._compiled: dict = {}
+
+    def __call__(self, kind: str, fn, args, static_key, donate: int | None, out):
+        """fn(*args) through its program, compiled on first use with outputs sharded as `out` (on one device, `out`
+        is what the export gives anyway); `donate`: the index of an argument whose buffers the outputs reuse."""
+        leaves, tree = jax.tree.flatten(args)
+        key = (kind, tree, tuple((x.shape, x.dtype) for x in leaves), static_key)
+        if key not in self._compiled:
+            start = time.perf_counter()
+            options = self.ops.compiler_options(kind)
+            compiled = None
+            if (folder := program_cache()) is not None and self.keep_exported:
+                compiled = compile_program(folder, fn, args, donate, static_key, options, self.ops.custom_calls)
+            if compiled is None:
+                jitted = jax.jit(fn, donate_argnums=() if donate is None else (donate,), out_shardings=out)
+                compiled = jitted.lower(*args).compile(compiler_options=options)
+            self._compiled[key] = compiled
+            self.stats.compiles += 1
+            self.stats.compile_s += time.perf_counter() - start
+        return self._compiled[key](*args)
+
+
+def compile_program(folder: Path, fn, args, donate: int | None, static_key, options: dict, custom_calls=()):
     """fn compiled for args on one device, as a function of args like fn: from its exported program in `folder`,
     else exported there now. The compilation itself goes through XLA's persistent cache. None where the program
-    cannot be exported (the caller then compiles it directly)."""
+    cannot be exported (the caller then compiles it directly). `custom_calls`: the FFI targets the program may call."""
     leaves, in_tree = jax.tree.flatten(args)
     path = folder / f"{program_key(fn, args, donate, static_key)}.jaxprog"
     loaded = _read(path)
@@ -68,7 +101,7 @@ def compile_program(folder: Path, fn, args, donate: int | None, static_key, opti
             out, out_tree = jax.tree.flatten(fn(*in_tree.unflatten(xs)))
             return out
 
-        checks = [export.DisabledSafetyCheck.custom_call(target) for target in library.TARGETS]
+        checks = [export.DisabledSafetyCheck.custom_call(target) for target in custom_calls]
         try:
             exported = export.export(jax.jit(flat), disabled_checks=checks)(*leaves)
         except Exception as e:  # e.g. a custom call jax.export does not take on this backend

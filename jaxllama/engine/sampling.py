@@ -12,8 +12,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxllama.core.ops import XLA, Ops, logprob_of
 from jaxllama.engine.request import SamplingParams
-from jaxllama.kernels.row_stats import row_stats
 
 
 @jax.tree_util.register_dataclass
@@ -59,7 +59,6 @@ class SamplerFlags:
     full: bool = False  # some row samples from the whole vocabulary (temperature > 0, no top_k/top_p)
     filter: bool = False  # some row samples with top_k or top_p (among the CANDIDATES most likely tokens)
     penalize: bool = False  # some row uses a penalty
-    kernel: bool = False  # an all-greedy batch takes its tokens and log-normalizers from the CPU kernel
 
     @property
     def sample(self) -> bool:
@@ -102,20 +101,18 @@ def candidate_mask(probs, rows: SamplingRows):
     return keep & (probs >= rows.min_p[:, None] * probs[:, :1])
 
 
-def sample(logits, rows: SamplingRows, step, flags: SamplerFlags, counts=None, seen=None):
-    """Draw one token per row. logits [b, v] float32; step [b]: index of the token being drawn.
+def sample(logits, rows: SamplingRows, step, flags: SamplerFlags, counts=None, seen=None, ops: Ops = XLA):
+    """Draw one token per row. logits [b, v] float32; step [b]: index of the token being drawn; an all-greedy batch
+    takes its tokens from `ops.greedy`.
 
     Returns (tokens [b] int32, logprobs [b] float32: log-probability of each token under the model's
     distribution after penalties and temperature, before top-k/top-p/min-p truncation).
     """
     if flags.penalize:
         logits = apply_penalties(logits, rows, counts, seen)
-    if flags.kernel and not flags.sample:  # kernels/row_stats.py: one pass over the logits, on every thread
-        greedy, top, logz = row_stats(logits)
-        return greedy, top - logz
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not flags.sample:
-        return greedy, _logprob_of(logits, greedy)
+        return ops.greedy(logits)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     neg = jnp.finfo(jnp.float32).min
     scaled = logits / jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
     logz = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
@@ -136,10 +133,4 @@ def sample(logits, rows: SamplingRows, step, flags: SamplerFlags, counts=None, s
         tokens = jnp.where(filtered, drawn, tokens)
     sampled = rows.temperature > 0
     scaled_lp = jnp.take_along_axis(scaled - logz, tokens[:, None], axis=-1)[:, 0]
-    return tokens, jnp.where(sampled, scaled_lp, _logprob_of(logits, tokens))
-
-
-def _logprob_of(logits, tokens):
-    """log softmax(logits)[tokens], without writing out the whole [b, v] log-softmax."""
-    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
+    return tokens, jnp.where(sampled, scaled_lp, logprob_of(logits, tokens))

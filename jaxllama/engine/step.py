@@ -3,17 +3,19 @@ returned).
 
 A prefill or a decode step runs as a few programs in turn: `*_inputs` (embed), `*_layers` over each run of
 `layers_per_program` consecutive layers (the same compiled program for every run of equal length), then
-`*_outputs` (final norm, logits, sampling, slot bookkeeping). On XLA:CPU, a program of 5 layers compiles and
-sets up its kernels in a fraction of the time a 30-layer program takes and is compiled once for all runs of
-layers; the extra dispatches cost nothing measurable on a 32-row step, ~5 ms on a one-row step of ~40 ms
-(SmolLM2, `benchmarks/README.md`).
+`*_outputs` (final norm, logits, sampling, slot bookkeeping). A program of a few layers compiles in a fraction of
+the time a whole model takes and is compiled once for all runs of layers, for a few more dispatches a step.
 
 - prefill: run new prompts (or the part of them past a prefix another slot holds), sample their first
   tokens and insert them into free decode slots;
 - decode: advance every slot (or the given ones) by one token, checking end of generation on device.
 
 Shapes are static per call: prompts padded to a length bucket and a row-count bucket, the cache to a
-length bucket (`kvcache.py`), so the number of compilations stays small and bounded.
+length bucket (`buckets.py`), so the number of compilations stays small and bounded. Every function takes the
+backend's operations as `ops` (`jaxllama.core.ops`), a static argument.
+
+Each row that ends reports why, as a FINISH code (`interface.py`): an end-of-generation token ("stop") or its
+budget or the context ("length"); the host reads the reason, it does not work it out again.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import jax.numpy as jnp
 
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import KVCache, cache_shapes, embed, head, layers, rope_angles
+from jaxllama.core.ops import XLA, Ops
+from jaxllama.engine.interface import LENGTH, RUNNING, STOPPED
 from jaxllama.engine.sampling import SamplerFlags, SamplingRows, sample
 
 
@@ -46,14 +50,16 @@ class DecodeState:
 
 
 def _advance(state: DecodeState, tokens, was_active, penalties: bool):
-    """Record sampled tokens [s] for the rows that were active; decide which rows are done. The token counts
-    are kept only when some row uses `penalties`: a request's slot then gets them zeroed at its prefill and
-    updated at every step while it runs, and no other slot's counts are ever read."""
+    """Record sampled tokens [s] for the rows that were active; decide which rows are done -> (state, finish [s]
+    int32: a FINISH code, RUNNING for rows still going or not active). The token counts are kept only when some
+    row uses `penalties`: a request's slot then gets them zeroed at its prefill and updated at every step while it
+    runs, and no other slot's counts are ever read."""
     tokens = jnp.where(was_active, tokens, state.tokens)
     hit_stop = jnp.any(tokens[:, None] == state.stop_ids, axis=-1)
     remaining = state.remaining - was_active
     positions = jnp.where(was_active, state.positions + 1, state.positions)
     done = hit_stop | (remaining <= 0) | (positions + 1 >= state.limit)
+    finish = jnp.where(was_active & done, jnp.where(hit_stop, STOPPED, LENGTH), RUNNING).astype(jnp.int32)
     rows = jnp.arange(tokens.shape[0])
     if penalties:
         state = dataclasses.replace(
@@ -61,7 +67,7 @@ def _advance(state: DecodeState, tokens, was_active, penalties: bool):
             counts=state.counts.at[rows, tokens].add(was_active.astype(jnp.int32)),
             seen=state.seen.at[rows, tokens].max(was_active),
         )
-    return dataclasses.replace(
+    state = dataclasses.replace(
         state,
         tokens=tokens,
         positions=positions,
@@ -69,6 +75,7 @@ def _advance(state: DecodeState, tokens, was_active, penalties: bool):
         active=was_active & ~done,
         step=state.step + was_active,
     )
+    return state, finish
 
 
 def decode_inputs(params, state: DecodeState, slots=None, *, config: ModelConfig):
@@ -83,28 +90,29 @@ def decode_inputs(params, state: DecodeState, slots=None, *, config: ModelConfig
     return embed(params, tokens[:, None]), positions, rope_angles(positions, config)
 
 
-def decode_layers(
-    layer_params, x, positions, rope, cache: KVCache, slots=None, *, config: ModelConfig, kernel: bool = False
-):
+def decode_layers(layer_params, x, positions, rope, cache: KVCache, slots=None, *, config: ModelConfig, ops: Ops = XLA):
     """Some consecutive layers of a decode step; each row reads and writes its slot's row of their cache. `rope`:
-    the positions' rotary angles (`decode_inputs`). `kernel`: attention through the CPU kernel
-    (`model.attention`)."""
-    return layers(layer_params, config, x, positions, cache, rows=slots, kernel=kernel, rope=rope)
+    the positions' rotary angles (`decode_inputs`)."""
+    return layers(layer_params, config, x, positions, cache, rows=slots, rope=rope, ops=ops)
 
 
-def decode_outputs(params, state: DecodeState, keep, x, slots=None, *, config: ModelConfig, flags: SamplerFlags):
+def decode_outputs(
+    params, state: DecodeState, keep, x, slots=None, *, config: ModelConfig, flags: SamplerFlags, ops: Ops = XLA
+):
     """Finish a decode step from the last layer's output x [b, 1, dim]: sample a token per row and advance the
     rows' state, checking end of generation. keep [s] bool: false cancels a slot first.
 
-    Returns (state, tokens [b], logprobs [b], emitted [b] bool), where b = s without `slots`.
+    Returns (state, tokens [b], logprobs [b], emitted [b] bool, finish [b]: FINISH codes), where b = s without
+    `slots`.
     """
     state = dataclasses.replace(state, active=state.active & keep)
     rows = state if slots is None else _gather(state, slots)
-    logits = head(params, config, x[:, 0])
-    tokens, logprobs = sample(logits, rows.rows, rows.step, flags, rows.counts, rows.seen)
+    logits = head(params, config, x[:, 0], ops=ops)
+    tokens, logprobs = sample(logits, rows.rows, rows.step, flags, rows.counts, rows.seen, ops)
     was_active = rows.active
-    rows = _advance(rows, tokens, was_active, flags.penalize)
-    return (rows if slots is None else _scatter(state, rows, slots, flags.penalize)), tokens, logprobs, was_active
+    rows, finish = _advance(rows, tokens, was_active, flags.penalize)
+    state = rows if slots is None else _scatter(state, rows, slots, flags.penalize)
+    return state, tokens, logprobs, was_active, finish
 
 
 def _gather(state: DecodeState, slots) -> DecodeState:
@@ -132,7 +140,7 @@ def prefill_inputs(params, tokens, starts, *, config: ModelConfig):
 
 
 def prefill_layers(
-    layer_params, x, positions, rope, rows: KVCache | None, *, config: ModelConfig, kernel=False, cache_dtype=None
+    layer_params, x, positions, rope, rows: KVCache | None, *, config: ModelConfig, ops: Ops = XLA, cache_dtype=None
 ):
     """Some consecutive layers of a prefill (`rope`: the positions' rotary angles, from `prefill_inputs`), over the
     rows' own caches: `rows` per layer holds, for each of the n
@@ -140,19 +148,18 @@ def prefill_layers(
     or is None for prompts computed from their start (span = x's length). Returns (x, rows with the new tokens'
     keys/values), which `kvcache.put_rows` then stores in the rows' slots. The slots' cache is no input here, so
     that these programs, the costliest to compile, are compiled per rows x tokens x span and not also per cache
-    length (SmolLM2, 256-request job: ~24 programs instead of ~40, ~1.1 s each). `kernel`: attention through the
-    CPU kernel, as in `layers`. `cache_dtype`: the slots' cache's (default x's), which fresh rows' caches take, so
-    that a prompt attends over the same rounded keys and values whether or not it starts from a stored prefix."""
+    length. `cache_dtype`: the slots' cache's (default x's), which fresh rows' caches take, so that a prompt attends
+    over the same rounded keys and values whether or not it starts from a stored prefix."""
     if rows is None:
         shapes = cache_shapes(config, x.shape[0], x.shape[1])
         rows = [tuple(jnp.zeros(shape, cache_dtype or x.dtype) for shape in shapes)] * len(layer_params)
-    return layers(layer_params, config, x, positions, rows, rope=rope, kernel=kernel)
+    return layers(layer_params, config, x, positions, rows, rope=rope, ops=ops)
 
 
 def prefill_last(x, lengths):
     """Each row's last prompt token from the last layer's output x [n, q, dim] -> [n, 1, dim]: a program of
-    its own, so that `prefill_outputs` (1 s to compile for SmolLM2 on XLA:CPU) is compiled per row count, not
-    per prompt bucket."""
+    its own, so that `prefill_outputs` (slow to compile: it holds the sampler) is compiled per row count, not per
+    prompt bucket."""
     return x[jnp.arange(x.shape[0]), lengths - 1][:, None]
 
 
@@ -171,21 +178,23 @@ def prefill_outputs(
     *,
     config: ModelConfig,
     flags: SamplerFlags,
+    ops: Ops = XLA,
 ):
     """Finish a prefill from the last layer's output at each row's last prompt token, x [n, 1, dim]: sample each
     row's first token and put the rows in decode slots `slots`. Row i computed prompt
     tokens [starts[i], starts[i] + lengths[i]). seen [n, vocab]: the whole prompt's tokens, for the
     repetition penalty (or [n, 1] when no row uses penalties).
 
-    Returns (state, first tokens [n], logprobs [n], active [n]: false when the first token already ended it).
+    Returns (state, first tokens [n], logprobs [n], finish [n]: FINISH codes, RUNNING unless the first token
+    already ended the row).
     """
     n = x.shape[0]
-    logits = head(params, config, x[:, 0])
+    logits = head(params, config, x[:, 0], ops=ops)
     vocab = state.counts.shape[1]
     if seen.shape[1] != vocab:
         seen = jnp.zeros((n, vocab), bool)
     zeros = jnp.zeros((n,), jnp.int32)
-    first, logprobs = sample(logits, new_rows, zeros, flags, jnp.zeros((n, vocab), jnp.int32), seen)
+    first, logprobs = sample(logits, new_rows, zeros, flags, jnp.zeros((n, vocab), jnp.int32), seen, ops)
 
     fresh = DecodeState(
         tokens=jnp.full((n,), -1, jnp.int32),
@@ -200,7 +209,7 @@ def prefill_outputs(
         seen=seen,
     )
     # The first token is sampled as if from a decode step at the prompt's last position.
-    fresh = _advance(fresh, first, jnp.ones((n,), bool), flags.penalize)
+    fresh, finish = _advance(fresh, first, jnp.ones((n,), bool), flags.penalize)
     if stop_ids.shape[1] != state.stop_ids.shape[1]:
         raise ValueError("stop_ids width mismatch")
-    return _scatter(state, fresh, slots, flags.penalize), first, logprobs, fresh.active
+    return _scatter(state, fresh, slots, flags.penalize), first, logprobs, finish

@@ -20,8 +20,8 @@ import numpy as np
 
 from jaxllama.core.params import param_shardings
 from jaxllama.core.sharding import make_mesh
-from jaxllama.engine.engine import Engine, Request
-from jaxllama.engine.request import SamplingParams
+from jaxllama.engine.engine import Engine
+from jaxllama.engine.request import Request, SamplingParams
 from tests.engine.conftest import random_prompts, tiny_config
 
 EOS = 2

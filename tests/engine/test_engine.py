@@ -11,8 +11,8 @@ import pytest
 
 from jaxllama.core.model import sequence_logits
 from jaxllama.core.sharding import make_mesh
-from jaxllama.engine.engine import Engine, Request
-from jaxllama.engine.request import SamplingParams
+from jaxllama.engine.engine import Engine
+from jaxllama.engine.request import Request, SamplingParams
 from tests.engine.conftest import random_prompts
 
 EOS = 2
@@ -71,7 +71,7 @@ def test_greedy_matches_full_forward_with_refilled_slots(tiny, expected):
         u = finals[r.id]
         assert u.completion_tokens == len(expected[r.id]) and u.prompt_tokens == len(r.prompt)
         if expected[r.id][-1] == EOS:
-            assert (u.finish_reason, u.stop_token) == ("stop", EOS)
+            assert (u.finish_reason, u.stop_reason) == ("stop", EOS)
         else:
             assert u.finish_reason == "length" and len(expected[r.id]) == r.params.max_tokens
     assert engine.stats.prefill_calls >= 3 and engine.stats.occupancy(engine.slots) > 0.3
@@ -103,8 +103,8 @@ def test_few_active_slots_decode_alone(tiny, expected, spec, steps, layers):
     mesh = make_mesh(config, spec, jax.devices()[: 4 if "2" in spec else 1])
     engine = Engine(config, params, mesh, eos_ids=[EOS], max_slots=32, decode_steps=steps, layers_per_program=layers)
     sizes = []
-    decode_rows = engine._decode_rows
-    engine._decode_rows = lambda: sizes.append(len(rows := decode_rows())) or rows
+    decode_rows = engine._decode_columns
+    engine._decode_columns = lambda: sizes.append(len(rows := decode_rows())) or rows
     tokens, _ = run(engine, greedy_requests())
     assert tokens == expected
     data = mesh.shape["data"]
@@ -156,7 +156,7 @@ def test_extra_stop_token_ids(tiny, expected):
     tokens, finals = run(engine, [req])
     first = expected[r.id].index(stop)
     assert tokens["x"] == expected[r.id][: first + 1]
-    assert (finals["x"].finish_reason, finals["x"].stop_token) == ("stop", stop)
+    assert (finals["x"].finish_reason, finals["x"].stop_reason) == ("stop", stop)
 
 
 BAD = [
@@ -203,7 +203,7 @@ def test_cancel_frees_the_slot(tiny, expected):
     for r in [long, *rest]:
         engine.add(r)
     engine.step()
-    engine.cancel("long")
+    engine.finish("long", "cancelled")
     tokens, finals = run(engine, [])
     assert finals["long"].finish_reason == "cancelled"
     assert {r.id: tokens[r.id] for r in rest} == {r.id: expected[r.id] for r in rest}

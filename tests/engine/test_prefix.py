@@ -7,9 +7,9 @@ import jax
 import numpy as np
 
 from jaxllama.core.sharding import make_mesh
-from jaxllama.engine.engine import Engine, Request
+from jaxllama.engine.engine import Engine
 from jaxllama.engine.prefix import ResidentPrefixes, shared_prefixes
-from jaxllama.engine.request import SamplingParams
+from jaxllama.engine.request import Request, SamplingParams
 from tests.engine.test_engine import EOS, reference_greedy, run
 
 

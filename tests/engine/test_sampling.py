@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxllama.core.sharding import make_mesh
-from jaxllama.engine.engine import Engine, Request
-from jaxllama.engine.request import SamplingParams
+from jaxllama.engine.engine import Engine
+from jaxllama.engine.request import Request, SamplingParams
 from jaxllama.engine.sampling import SamplingRows, candidate_mask
 from tests.engine.conftest import random_prompts
 

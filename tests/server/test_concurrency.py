@@ -112,7 +112,7 @@ def test_a_stream_closed_by_its_client_frees_its_slot(live):
             worker.pause()  # it cannot finish on its own now
             assert worker.running == 1
         # the connection is closed: the server cancels the request; its slot is freed at the engine's next step
-        wait_until(lambda: live.llm.engine.cancelled, what="the engine to be told")
+        wait_until(lambda: live.llm.engine.ending, what="the engine to be told")
     finally:
         worker.resume()
     wait_until(lambda: _idle(live), what="the slot to be freed")

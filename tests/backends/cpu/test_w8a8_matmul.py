@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
+from jaxllama.backends.cpu import library, matmul
+from jaxllama.backends.cpu.ops import CpuOps
 from jaxllama.core.checkpoint import load_checkpoint
-from jaxllama.core.model import pack_weights, sequence_logits
+from jaxllama.core.model import sequence_logits
 from jaxllama.core.sharding import make_mesh
-from jaxllama.engine.engine import Engine, Request
-from jaxllama.engine.request import SamplingParams
-from jaxllama.kernels import library, matmul
+from jaxllama.engine.engine import Engine
+from jaxllama.engine.request import Request, SamplingParams
 from tests.engine.conftest import spread_params, tiny_config
 from tests.engine.test_engine import run
 from tests.kernels.test_quantized_matmul import q8_0, weights, with_q8_0_weights
@@ -120,9 +121,9 @@ def test_a_nan_or_infinite_input_spoils_its_own_row_only(bad):
     assert np.isnan(got[1]).all() and np.isfinite(got[[0, 2]]).all()
 
 
-def test_pack_weights_quantizes_every_product():
+def test_prepare_quantizes_every_product():
     config = tiny_config()
-    packed = pack_weights(spread_params(config, seed=3), config, quantize="w8a8")
+    packed = CpuOps("w8a8").prepare(spread_params(config, seed=3), config)
     products = [p for p in jax.tree.leaves(packed, is_leaf=lambda x: isinstance(x, matmul.Packed))]
     products = [p for p in products if isinstance(p, matmul.Packed)]
     assert len(products) == 4 * config.n_layers + 1

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import jax
 
-from jaxllama.kernels import decode_attention, matmul, row_stats
+from jaxllama.backends.cpu import decode_attention, matmul, row_stats
 
 HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("*.cc"))

@@ -1,5 +1,5 @@
-"""The CPU matmul kernel on packed weights against numpy's products (float64), and `linear` through it against
-`linear` through XLA."""
+"""The CPU matmul kernel on packed weights against numpy's products (float64), and `CpuOps.linear` through it against
+XLA's `Ops.linear`."""
 
 import os
 import shutil
@@ -11,9 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllama.core.model import linear, pack_weights
-from jaxllama.kernels import library, matmul
+from jaxllama.backends.cpu import library, matmul
+from jaxllama.backends.cpu.ops import CpuOps
+from jaxllama.core.ops import XLA
 from tests.engine.conftest import spread_params, tiny_config
+
+CPU = CpuOps()
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
 
@@ -51,27 +54,27 @@ def test_matmul_keeps_leading_dims_and_unflattens_outputs():
     wo = jnp.asarray(rng.standard_normal((16, 4, 8), np.float32))  # [dim, heads, head_dim]: in_dims=2
     wq = jnp.asarray(rng.standard_normal((4, 8, 32), np.float32))  # [heads, head_dim, dim]
     np.testing.assert_allclose(
-        linear(x, matmul.pack(wo, in_dims=2), in_dims=2), linear(x, wo, in_dims=2), rtol=1e-5, atol=1e-5
+        CPU.linear(x, matmul.pack(wo, in_dims=2), in_dims=2), XLA.linear(x, wo, in_dims=2), rtol=1e-5, atol=1e-5
     )
     h = jnp.asarray(rng.standard_normal((2, 3, 32), np.float32))
-    out = linear(h, matmul.pack(wq))
+    out = CPU.linear(h, matmul.pack(wq))
     assert out.shape == (2, 3, 4, 8)
-    np.testing.assert_allclose(out, linear(h, wq), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(out, XLA.linear(h, wq), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_pack_weights_packs_every_product_and_the_output(tied):
+def test_prepare_packs_every_product_and_the_output(tied):
     config = tiny_config(tie_embeddings=tied)
     params = spread_params(config, seed=1)
     assert ("output" in params) is not tied
-    packed = pack_weights(params, config)
+    packed = CPU.prepare(params, config)
     kinds = {
         jax.tree_util.keystr(p): type(w)
         for p, w in jax.tree_util.tree_leaves_with_path(packed, is_leaf=lambda x: isinstance(x, matmul.Packed))
     }
     products = [k for k, t in kinds.items() if t is matmul.Packed]
-    assert len(products) == 4 * config.n_layers + 1  # wqkv, wo, w13 (gated) and w2 per layer, and the output
-    assert all(packed[f"layers_{i}"]["mlp"]["w13"].gated for i in range(config.n_layers))
+    assert len(products) == 4 * config.n_layers + 1  # q+k+v, wo, gate+up (gated) and w2 per layer, and the output
+    assert all(packed[f"layers_{i}"]["mlp"]["w1+w3"].gated for i in range(config.n_layers))
     assert all("norm" not in k and "embedding" not in k for k in products)
     assert isinstance(packed["output"], matmul.Packed) and isinstance(packed["embedding"], jax.Array)
 
@@ -80,10 +83,10 @@ def test_weights_packed_as_one_product_are_split_again():
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((5, 7, 24), np.float32))
     weights = [jnp.asarray(rng.standard_normal(shape, np.float32)) for shape in [(4, 6, 24), (2, 6, 24), (3, 24)]]
-    parts = linear(x, matmul.pack(*weights))
+    parts = CPU.linear(x, matmul.pack(*weights))
     assert [p.shape for p in parts] == [(5, 7, 4, 6), (5, 7, 2, 6), (5, 7, 3)]
     for got, w in zip(parts, weights, strict=True):
-        np.testing.assert_allclose(got, linear(x, w), rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(got, XLA.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows, n_in, hidden", [(1, 8, 8), (5, 24, 13), (37, 576, 1536), (64, 1536, 100)])
@@ -117,7 +120,7 @@ def test_kernel_threads_can_be_capped(tmp_path):
     script = f"""
 import os, jax, jax.numpy as jnp, numpy as np
 from pathlib import Path
-from jaxllama.kernels import library, matmul
+from jaxllama.backends.cpu import library, matmul
 assert library.load(Path({str(tmp_path)!r}))
 w = jnp.asarray(np.random.default_rng(0).standard_normal((512, 512), np.float32))
 x = jnp.ones((64, 512), jnp.float32)

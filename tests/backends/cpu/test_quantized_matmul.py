@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
+from jaxllama.backends.cpu import library, matmul
+from jaxllama.backends.cpu.ops import CpuOps
 from jaxllama.core.checkpoint import load_checkpoint
-from jaxllama.core.model import PRODUCT_IN_DIMS, pack_weights
+from jaxllama.core.model import PRODUCT_IN_DIMS
 from jaxllama.core.sharding import make_mesh
-from jaxllama.engine.engine import Engine, Request
-from jaxllama.engine.request import SamplingParams
-from jaxllama.kernels import library, matmul
+from jaxllama.engine.engine import Engine
+from jaxllama.engine.request import Request, SamplingParams
 from tests.engine.conftest import spread_params, tiny_config
 from tests.engine.test_engine import EOS, greedy_requests, reference_greedy, run
 
@@ -117,10 +118,10 @@ def test_a_nan_input_spoils_its_own_row_only():
     assert np.isnan(got[1]).all() and np.isfinite(got[[0, 2]]).all()
 
 
-def test_pack_weights_quantizes_every_product():
+def test_prepare_quantizes_every_product():
     config = tiny_config()
     params = spread_params(config, seed=3)
-    packed = pack_weights(params, config, quantize="q8_0")
+    packed = CpuOps("q8_0").prepare(params, config)
     products = jax.tree.leaves(packed, is_leaf=lambda x: isinstance(x, matmul.Packed))
     products = [p for p in products if isinstance(p, matmul.Packed)]
     assert len(products) == 4 * config.n_layers + 1

@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxllama.backends.cpu import decode_attention, library
+from jaxllama.backends.cpu.ops import CpuOps
 from jaxllama.core.model import _decode_attention
 from jaxllama.core.sharding import make_mesh
-from jaxllama.engine.engine import Engine, Request
-from jaxllama.engine.request import SamplingParams
-from jaxllama.kernels import decode_attention, library
+from jaxllama.engine.engine import Engine
+from jaxllama.engine.request import Request, SamplingParams
 from tests.engine.conftest import random_prompts, spread_params, tiny_config
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
@@ -77,7 +78,7 @@ def test_engine_with_and_without_the_kernel_agree(kernel, kv_cache_dtype):
         out = {i: [] for i in range(len(prompts))}
         for update in engine.generate(requests):
             out[update.id] += update.tokens
-        assert engine._kernels is use
+        assert isinstance(engine.ops, CpuOps) is use
         tokens[use] = out
     assert tokens[True] == tokens[False]
 

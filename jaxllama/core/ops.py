@@ -1,0 +1,104 @@
+"""The operations the model's math is written in, as one frozen value: products against weights, attention over the
+KV cache, the greedy token of each row, and how weights are prepared for them.
+
+`Ops` is XLA's implementation: the reference, and the default on every platform (GPU, TPU, a CPU mesh). Another
+backend subclasses it and overrides what it runs better (the CPU kernels: `jaxllama/backends/cpu/`); the model takes
+the value as an argument (`model.layers(..., ops=...)`) and never asks which one it has. A value is hashable and
+compares by type and fields, so it can be a static argument of a jitted function.
+
+Weights are stored (out, in), as every source format stores them, and applied as `x @ W.T`: one 2-D product per
+weight, which XLA:CPU runs without transposing the weight on every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# XLA:CPU's option that turns its YNNPACK matrix-product kernels off (see `Ops.compiler_options`).
+NO_YNNPACK = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """XLA's own operations."""
+
+    def prepare(self, params, config) -> dict:
+        """params (the whole tree, or part of it) as this backend's products read them. XLA reads the checkpoint's
+        weights as they are."""
+        return params
+
+    def linear(self, x: jax.Array, w, in_dims: int = 1) -> jax.Array:
+        """x [..., *in] times w [*out, *in] (`in_dims` trailing dims) -> [..., *out], as one 2-D product."""
+        lead = x.shape[: x.ndim - in_dims]
+        n_in = int(np.prod(w.shape[w.ndim - in_dims :]))
+        out = w.shape[: w.ndim - in_dims]
+        y = jax.lax.dot_general(w.reshape(-1, n_in), x.reshape(-1, n_in), (((1,), (1,)), ((), ()))).T
+        return y.reshape(*lead, *out)
+
+    def project(self, x: jax.Array, p: dict, names: Sequence[str], in_dims: int = 1) -> tuple[jax.Array, ...]:
+        """x times each of the weights p[name] that share it as input."""
+        return tuple(self.linear(x, p[name], in_dims) for name in names)
+
+    def gated(self, x: jax.Array, p: dict, gate: str, up: str) -> jax.Array:
+        """silu(x @ gate) * (x @ up): a feed-forward block's first half."""
+        return jax.nn.silu(self.linear(x, p[gate])) * self.linear(x, p[up])
+
+    def attention(self, q, cache_k, cache_v, positions, rows=None) -> jax.Array:
+        """Each query against its row of the cache, up to its own position: q [b, t, kv, g, hd], cache_k
+        [n, kv, hd, s], cache_v [n, kv, s, hd], positions [b, t]; rows [b] the cache row of each batch row (an index
+        >= n reads zeros), by default row i -> [b, t, kv, g, hd]."""
+        keys, values = cache_k, cache_v
+        if rows is not None:  # this batch's rows, read in place: XLA fuses the gather into the attention loops.
+            # (With mode="clip", a single row becomes a slice fused with the write, and XLA copies the cache.)
+            keys, values = (jnp.take(c, rows, axis=0, mode="fill", fill_value=0) for c in (cache_k, cache_v))
+        visible = jnp.arange(values.shape[2])[None, None, :] <= positions[:, :, None]  # [b, t, s]
+        if q.shape[1] == 1:
+            return _one_query_attention(q[:, 0], keys, values, visible[:, 0])[:, None]
+        scores = jnp.einsum("btkgd,bkds->bkgts", q, keys.astype(q.dtype)).astype(jnp.float32)
+        scores = jnp.where(visible[:, None, None], scores * (1.0 / np.sqrt(q.shape[-1])), -1e30)
+        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        return jnp.einsum("bkgts,bksd->btkgd", probs, values.astype(q.dtype))
+
+    def greedy(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """logits [b, v] float32 -> (the most likely token [b] int32, the first on ties; its log-probability [b])."""
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return tokens, logprob_of(logits, tokens)
+
+    def compiler_options(self, program: str) -> dict:
+        """XLA compiler options for one of the engine's programs (by its kind, e.g. "decode_layers"). XLA:CPU sets
+        up its YNNPACK product kernels on each program's first call in a process: worth it for the decode layers,
+        which run every step, not for prefills (most shapes run once or a few times) nor for the outputs (whose
+        [rows, vocab] product XLA's own loops run faster)."""
+        if jax.default_backend() != "cpu" or program == "decode_layers":
+            return {}
+        return NO_YNNPACK
+
+    @property
+    def custom_calls(self) -> tuple[str, ...]:
+        """The FFI targets this backend's programs call (exported programs must be told they are expected)."""
+        return ()
+
+
+def _one_query_attention(q, cache_k, cache_v, visible):
+    """One query per row: q [b, kv, g, hd], cache_k [b, kv, hd, s], cache_v [b, kv, s, hd], visible [b, s] ->
+    [b, kv, g, hd]. Written as products and sums, which XLA fuses into loops over the cache, instead of b * kv
+    tiny matrix products."""
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    scores = jnp.sum(q[..., None] * cache_k[:, :, None].astype(q.dtype), axis=-2, dtype=jnp.float32)
+    scores = jnp.where(visible[:, None, None, :], scores * scale, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # [b, kv, g, s]
+    return jnp.sum(probs[..., None] * cache_v[:, :, None, :, :].astype(q.dtype), axis=-2)
+
+
+def logprob_of(logits, tokens):
+    """log softmax(logits)[tokens], without writing out the whole [b, v] log-softmax."""
+    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
+XLA = Ops()

@@ -1,0 +1,266 @@
+"""The engine's device half: the weights as the backend's products read them, the decode slots' KV cache and state,
+and the compiled programs that advance them. A narrow interface in the spirit of JetStream's engine API:
+
+- `prefill(rows)`: compute prompts (or the part of them past a prefix another slot holds), insert them into decode
+  slots and sample their first tokens;
+- `generate(columns)`: advance the given slots by `decode_steps` tokens;
+- `resize(length)`: the cache's length, in positions.
+
+Typed batches in, tokens and a per-row finish code out (`step.FINISH`); which request runs where, and why, is the
+scheduler's business (`scheduler.py`). Multi-host: host inputs become global arrays and the small outputs are
+replicated, so every process gets the same answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxllama.core.config import ModelConfig
+from jaxllama.core.model import layer_params
+from jaxllama.core.ops import Ops
+from jaxllama.core.sharding import named_sharding
+from jaxllama.engine import buckets, kvcache, step
+from jaxllama.engine.interface import PrefillRow, Sampled
+from jaxllama.engine.programs import Programs
+from jaxllama.engine.request import SamplingParams
+from jaxllama.engine.runtime import agreed_seed
+from jaxllama.engine.sampling import SamplerFlags, SamplingRows
+from jaxllama.engine.stats import EngineStats
+
+MAX_STOP_IDS = 32  # end-of-generation ids a slot can hold: the model's and the request's own
+
+
+class Device:
+    """Runs the model for `slots` decode slots on a mesh, with the backend's operations `ops`; keeps
+    `interface.DeviceInterface`. Not thread-safe."""
+
+    max_stop_ids = MAX_STOP_IDS
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params,
+        mesh: Mesh,
+        *,
+        ops: Ops,
+        slots: int,
+        max_context: int,
+        eos_ids: Sequence[int],
+        decode_steps: int,
+        layers_per_program: int,
+        cache_dtype,
+        min_cache: int,
+        stats: EngineStats,
+    ):
+        if len(eos_ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} end-of-generation ids, got {len(eos_ids)}")
+        self.config, self.mesh, self.ops, self.stats = config, mesh, ops, stats
+        self.slots, self.max_context, self.decode_steps = slots, max_context, decode_steps
+        self.eos_ids = tuple(eos_ids)
+        self.vocab_size, self.row_multiple = config.vocab_size, mesh.shape["data"]
+        self.cache_dtype = cache_dtype
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._activations = NamedSharding(mesh, PartitionSpec("data"))  # [batch, ...], batch over `data`
+        self._cache_sharding = kvcache.cache_sharding(config, mesh)  # one layer's (keys, values)
+        self._rows = named_sharding(mesh, config, ("batch",))
+        self._seeds = random.Random(agreed_seed())  # for requests without a seed: the same on every process
+        platform = mesh.devices.flat[0].platform
+        one_device = mesh.size == 1 and jax.process_count() == 1 and platform == jax.default_backend()
+        self.programs = Programs(ops, stats, keep_exported=one_device)
+        # The params outside the layers (embedding, final norm, output), and the layers' in runs of
+        # `layers_per_program`, each prepared for the backend as it is split off.
+        n = config.n_layers
+        self._runs = [(a, min(a + layers_per_program, n)) for a in range(0, n, layers_per_program)]
+        self._outer = ops.prepare({k: v for k, v in params.items() if not k.startswith("layers_")}, config)
+        self._run_params = [ops.prepare(layer_params(params, config, a, b), config) for a, b in self._runs]
+        self.state = self._initial_state()
+        self.cache = kvcache.allocate(config, mesh, slots, buckets.bucket(min_cache, max_context), cache_dtype)
+
+    # ---- the interface ----------------------------------------------------------------------------
+
+    @property
+    def cache_length(self) -> int:
+        return kvcache.length(self.cache)
+
+    def resize(self, length: int) -> None:
+        """Give the cache `length` positions: zero-padded when growing, truncated when shrinking."""
+        resize = jax.jit(
+            kvcache.resize,
+            static_argnums=1,  # no donation: the new cache has another shape
+            out_shardings=[self._cache_sharding] * self.config.n_layers,
+        )
+        self.cache = resize(self.cache, length)
+
+    def prefill(self, rows: Sequence[PrefillRow], sample: bool = True) -> Sampled | None:
+        """Compute the rows' prompts into their slots' caches (the cache must hold start + the prompt bucket of
+        every row) and, with `sample`, put each row in its decode slot and sample its first token; without, only
+        the caches are filled (a shared prefix) and nothing is returned."""
+        batch = _PrefillBatch.of(rows, self)
+        inputs = self._put(batch.arrays)
+        fn = functools.partial(step.prefill_inputs, config=self.config)
+        x, positions, rope = self._call("prefill_inputs", fn, (self._outer, inputs["tokens"], inputs["starts"]))
+        x = self._prefill_layers(x, positions, rope, inputs["sources"], inputs["slots"], batch.span, batch.fresh)
+        if not sample:
+            jax.block_until_ready(x)
+            return None
+        x = self._call("prefill_last", step.prefill_last, (x, inputs["lengths"]))
+        args = (self._outer, self.state, x) + tuple(inputs[k] for k in _PrefillBatch.OUTPUT_ARGS)
+        fn = functools.partial(step.prefill_outputs, config=self.config, flags=batch.flags, ops=self.ops)
+        out = self._outputs_sharding(3)
+        self.state, *out = self._call("prefill_outputs", fn, args, batch.flags, donate=1, out=out)
+        first, logprobs, finish = (np.asarray(x)[None, : len(rows)] for x in jax.device_get(out))
+        return Sampled(first, logprobs, np.ones_like(first, bool), finish)
+
+    def generate(
+        self, columns: Sequence[int], params: Sequence[SamplingParams], cancelled: Sequence[int] = ()
+    ) -> Sampled:
+        """`decode_steps` decode steps over the slots `columns` (padded with the out-of-range index `slots`; all
+        slots in order: every row), with a sampler compiled for the running requests' `params`; the slots
+        `cancelled` are stopped first. The cache must hold every active slot's next `decode_steps` positions."""
+        flags = SamplerFlags.of(params)
+        keep = np.ones(self.slots, bool)
+        keep[list(cancelled)] = False
+        every = len(columns) == self.slots
+        slots, keep, kept = self._put((None if every else np.array(columns, np.int32), keep, np.ones(self.slots, bool)))
+        inputs_fn = functools.partial(step.decode_inputs, config=self.config)
+        layers_fn = functools.partial(step.decode_layers, config=self.config, ops=self.ops)
+        outputs_fn = functools.partial(step.decode_outputs, config=self.config, flags=flags, ops=self.ops)
+        steps = []
+        for _ in range(self.decode_steps):  # no host round trip between steps: each reads the last one's state
+            x, positions, rope = self._call("decode_inputs", inputs_fn, (self._outer, self.state, slots))
+            x = self._decode_layers(layers_fn, x, positions, rope, slots)
+            args = (self._outer, self.state, keep, x, slots)
+            self.state, *out = self._call("decode_outputs", outputs_fn, args, flags, 1, self._outputs_sharding(4))
+            steps.append(out)
+            keep = kept  # cancellations apply at the first step
+        return Sampled(*(np.stack(x) for x in zip(*jax.device_get(steps), strict=True)))
+
+    # ---- programs ---------------------------------------------------------------------------------
+
+    def _call(self, kind: str, fn, args, static_key=None, donate: int | None = None, out=None):
+        return self.programs(kind, fn, args, static_key, donate, self._activations if out is None else out)
+
+    def _outputs_sharding(self, n: int):
+        """An `*_outputs` program's: the decode state as it is, then n small replicated outputs."""
+        return (jax.tree.map(lambda x: x.sharding, self.state),) + (self._replicated,) * n
+
+    def _decode_layers(self, fn, x, positions, rope, slots):
+        """Every layer of a decode step, one program call per run of layers; each call updates its layers' cache."""
+        for (a, b), params in zip(self._runs, self._run_params, strict=True):
+            args = (params, x, positions, rope, self.cache[a:b], slots)
+            out = (self._activations, [self._cache_sharding] * (b - a))
+            x, self.cache[a:b] = self._call("decode_layers", fn, args, donate=4, out=out)
+        return x
+
+    def _prefill_layers(self, x, positions, rope, sources, slots, span: int, fresh: bool):
+        """Every layer of a prefill, a run of layers at a time (`step.prefill_layers`): the rows' caches start empty
+        (`fresh`) or as copies of the first `span` positions of slots `sources`, and end in slots `slots`."""
+        take = functools.partial(kvcache.take_rows, span=span)
+        put = functools.partial(kvcache.put_rows, span=span)
+        cache_dtype = jnp.dtype(self.cache_dtype).name  # a static argument: a name, not a dtype object
+        run_layers = functools.partial(step.prefill_layers, config=self.config, ops=self.ops, cache_dtype=cache_dtype)
+        for (a, b), params in zip(self._runs, self._run_params, strict=True):
+            caches = [self._cache_sharding] * (b - a)
+            rows = None if fresh else self._call("prefill_take", take, (self.cache[a:b], sources), span, out=caches)
+            out = (self._activations, caches)
+            x, rows = self._call("prefill_layers", run_layers, (params, x, positions, rope, rows), out=out)
+            self.cache[a:b] = self._call("prefill_put", put, (self.cache[a:b], rows, slots), span, 0, caches)
+        return x
+
+    # ---- device state -----------------------------------------------------------------------------
+
+    def _initial_state(self) -> step.DecodeState:
+        s, v = self.slots, self.config.vocab_size
+        host = dict(
+            tokens=np.zeros(s, np.int32),
+            positions=np.zeros(s, np.int32),
+            active=np.zeros(s, bool),
+            remaining=np.zeros(s, np.int32),
+            limit=np.full(s, self.max_context, np.int32),
+            step=np.zeros(s, np.int32),
+            stop_ids=np.full((s, MAX_STOP_IDS), -1, np.int32),
+        )
+        rows = SamplingRows(**SamplingRows.from_params([SamplingParams(temperature=0.0)] * s, [0] * s))
+        zeros = jax.jit(
+            lambda: (jnp.zeros((s, v), jnp.int32), jnp.zeros((s, v), bool)), out_shardings=(self._rows,) * 2
+        )
+        counts, seen = zeros()
+        return step.DecodeState(
+            rows=jax.tree.map(self._put_rows, rows),
+            counts=counts,
+            seen=seen,
+            **{k: self._put_rows(x) for k, x in host.items()},
+        )
+
+    def _put_rows(self, x):
+        x = np.asarray(x)
+        spec = PartitionSpec("data", *([None] * (x.ndim - 1)))
+        return _global(x, NamedSharding(self.mesh, spec))
+
+    def _put(self, xs):
+        return jax.tree.map(lambda x: _global(np.asarray(x), self._replicated), xs)
+
+    def seed(self, params: SamplingParams) -> int:
+        """The request's seed, or one drawn for it (the same on every process)."""
+        return params.seed if params.seed is not None else self._seeds.getrandbits(63)
+
+
+@dataclasses.dataclass
+class _PrefillBatch:
+    """A prefill's host arrays, padded to static shapes: rows to a power of two (a multiple of the data axis), prompt
+    tokens to their length bucket; padding rows compute nothing that lands (their slot is out of range)."""
+
+    arrays: dict
+    flags: SamplerFlags
+    span: int  # cache positions each row reads and writes
+    fresh: bool  # no row starts from a stored prefix
+
+    # prefill_outputs' arguments after (params, state, x), by name in `arrays`.
+    OUTPUT_ARGS = ("starts", "lengths", "slots", "seen", "sampling", "max_tokens", "limits", "stop_ids")
+
+    @staticmethod
+    def of(rows: Sequence[PrefillRow], device: Device) -> _PrefillBatch:
+        q = buckets.prompt_bucket(max(len(r.tokens) for r in rows), device.max_context)
+        fresh = all(r.start == 0 for r in rows)
+        span = q if fresh else buckets.bucket(max(r.start + q for r in rows), device.max_context)
+        n = buckets.round_up(buckets.pow2(len(rows)), device.mesh.shape["data"])
+        a = dict(
+            tokens=np.zeros((n, q), np.int32),
+            starts=np.zeros(n, np.int32),
+            lengths=np.ones(n, np.int32),
+            sources=np.full(n, device.slots, np.int32),
+            slots=np.full(n, device.slots, np.int32),  # padding rows land nowhere
+            stop_ids=np.full((n, MAX_STOP_IDS), -1, np.int32),
+        )
+        params, seeds = [], []
+        for i, r in enumerate(rows):
+            a["tokens"][i, : len(r.tokens)] = r.tokens
+            a["lengths"][i], a["starts"][i], a["sources"][i], a["slots"][i] = len(r.tokens), r.start, r.source, r.slot
+            ids = sorted(set(device.eos_ids) | set(r.request.params.stop_token_ids))
+            a["stop_ids"][i, : len(ids)] = ids
+            params.append(r.request.params)
+            seeds.append(device.seed(r.request.params))
+        params += [SamplingParams(temperature=0.0)] * (n - len(rows))
+        seeds += [0] * (n - len(rows))
+        a["sampling"] = SamplingRows(**SamplingRows.from_params(params, seeds))
+        a["max_tokens"] = np.array([p.max_tokens for p in params], np.int32)
+        a["limits"] = np.full(n, device.max_context, np.int32)
+        flags = SamplerFlags.of(params)
+        a["seen"] = np.zeros((n, device.config.vocab_size if flags.penalize else 1), bool)
+        if flags.penalize:
+            for i, r in enumerate(rows):
+                a["seen"][i, r.request.prompt] = True
+        return _PrefillBatch(a, flags, span, fresh)
+
+
+def _global(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array (the same on every process) as a global array with this sharding."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])

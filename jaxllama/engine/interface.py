@@ -1,0 +1,68 @@
+"""The contract between the scheduler (plain Python, `scheduler.py`) and the device half of the engine
+(`device.py`): what a prefill is asked to compute, what a call samples, and why a row stopped. Plain Python, so
+that the scheduler can be run and tested against any object that keeps it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from jaxllama.engine.request import Request, SamplingParams
+
+# Why a row stopped, as the device reports it: an index into FINISH. RUNNING: it goes on (or emitted nothing).
+FINISH = (None, "stop", "length")
+RUNNING, STOPPED, LENGTH = range(len(FINISH))
+
+
+@dataclasses.dataclass
+class PrefillRow:
+    """One prompt to compute: `tokens` (the prompt past a reused prefix) at positions from `start`, over the first
+    `start` positions of slot `source`'s cache, into decode slot `slot` (source == slot: computed from its start)."""
+
+    request: Request
+    tokens: list[int]
+    start: int
+    source: int
+    slot: int
+
+
+@dataclasses.dataclass
+class Sampled:
+    """What a prefill or decode call sampled, [steps, rows] (a prefill: one step, a row per PrefillRow; a decode
+    call: a row per column): the tokens, their log-probabilities, whether the row emitted a token at that step, and
+    its FINISH code there (the token of a STOPPED row is the end-of-generation id that stopped it)."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    emitted: np.ndarray
+    finish: np.ndarray
+
+
+class DeviceInterface(Protocol):
+    """What the scheduler needs of the device: its sizes, and four calls."""
+
+    slots: int  # decode slots
+    max_context: int  # positions a sequence may hold, prompt included
+    decode_steps: int  # tokens each `generate` call advances a slot by
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+    max_stop_ids: int  # end-of-generation ids a slot holds, the model's and a request's own
+    row_multiple: int  # a call's row count is a multiple of this (the mesh's data axis)
+    cache_length: int  # positions the KV cache holds now
+
+    def resize(self, length: int) -> None:
+        """Give the KV cache `length` positions (truncating or zero-padding every slot's)."""
+
+    def prefill(self, rows: Sequence[PrefillRow], sample: bool = True) -> Sampled | None:
+        """Compute the rows into their slots; with `sample`, start them decoding and sample their first tokens."""
+
+    def generate(
+        self, columns: Sequence[int], params: Sequence[SamplingParams], cancelled: Sequence[int] = ()
+    ) -> Sampled:
+        """Advance slots `columns` (padded with the index `slots`) by `decode_steps` tokens, after stopping the slots
+        `cancelled`; `params`: the sampling parameters of every running request (the programs compile only what
+        they need)."""

@@ -1,0 +1,296 @@
+"""Continuous batching: a queue of requests, a fixed number of decode slots, and the loop that keeps them full.
+Plain Python over a device that keeps `interface.DeviceInterface`; no jax here.
+
+Each `step()` ends the requests `finish` was called for, admits waiting requests into free slots (the highest
+`priority` first, then in order of arrival; one prefill call per prompt-length bucket), then runs one decode call
+for every running slot and returns the new tokens of each request. A finished sequence frees its slot for the next
+request at once; nobody waits for the longest one.
+
+A prompt that starts with tokens some slot's cache already holds (a shared system prompt, the earlier turns of a
+conversation) reuses their keys/values and computes only the rest (`prefix.py`); the reused count is reported as
+`cached_tokens`. Every process of a multi-host run makes the same choices from the same requests.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import time
+from collections.abc import Iterable, Iterator
+
+from jaxllama.engine import buckets
+from jaxllama.engine.interface import FINISH, STOPPED, DeviceInterface, PrefillRow, Sampled
+from jaxllama.engine.prefix import ResidentPrefixes, shared_prefixes
+from jaxllama.engine.request import FinishReason, Request, SamplingParams, Timings, Update
+from jaxllama.engine.stats import EngineStats
+from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
+
+
+@dataclasses.dataclass
+class _Slot:
+    request: Request
+    length: int  # tokens in the cache after the last step (prompt + sampled - 1 pending input)
+    generated: int = 0
+    prefill_start: float = 0.0
+    first_token: float = 0.0
+    cached: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far
+
+
+class Scheduler:
+    """Generates for many requests at once on one device half. Not thread-safe: one thread drives `step()`."""
+
+    def __init__(self, device: DeviceInterface, stats: EngineStats | None = None):
+        self.device = device
+        self.slots, self.max_context, self.eos_ids = device.slots, device.max_context, tuple(device.eos_ids)
+        self.stats = stats or EngineStats()
+        self.queue: collections.deque[Request] = collections.deque()
+        self.active: dict[int, _Slot] = {}  # slot -> the request running there
+        self.prefixes = ResidentPrefixes(self.slots)
+        self.ending: dict[int, tuple[FinishReason, str | None]] = {}  # slot -> why `finish` ends it
+        self._stopping: set[int] = set()  # slots the device still runs for requests that ended
+
+    # ---- public API -------------------------------------------------------------------------------
+
+    def check(self, request: Request) -> None:
+        """Raise a RequestError if the request can never run (the caller reports it for that request alone)."""
+        request.params.validate()
+        n, vocab = len(request.prompt), self.device.vocab_size
+        if n == 0:
+            raise InvalidRequest("prompt is empty", "prompt")
+        if n >= self.max_context:
+            raise ContextLengthExceeded(
+                f"prompt is {n} tokens, the context limit is {self.max_context} "
+                "(prompt plus at least one generated token)"
+            )
+        bad = [t for t in request.prompt if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        stop_ids = request.params.stop_token_ids
+        if len(self.eos_ids) + len(stop_ids) > self.device.max_stop_ids:
+            extra = self.device.max_stop_ids - len(self.eos_ids)
+            raise InvalidParameter(f"stop_token_ids: at most {extra} extra stop token ids", "stop_token_ids")
+        bad = [t for t in stop_ids if not 0 <= t < vocab]
+        if bad:
+            message = f"stop_token_ids={list(stop_ids)}: {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+            raise InvalidParameter(message, "stop_token_ids")
+
+    def add(self, request: Request) -> None:
+        """Queue a request (a RequestError if it can never run). A max_tokens past the context or a top_k past the
+        vocabulary means the limit: they are capped to it (the device holds them as int32)."""
+        self.check(request)
+        p = request.params
+        max_tokens, top_k = min(p.max_tokens, self.max_context), min(p.top_k, self.device.vocab_size)
+        if (max_tokens, top_k) != (p.max_tokens, p.top_k):
+            request = dataclasses.replace(request, params=dataclasses.replace(p, max_tokens=max_tokens, top_k=top_k))
+        self.queue.append(request)
+
+    def finish(self, request_id, reason: FinishReason = "cancelled", stop_reason: str | None = None) -> None:
+        """End a request for `reason` (a stop string found in its text: "stop" and that string; its client gone:
+        "cancelled"). A running one ends with an update carrying the reason at the next step, and its slot is
+        freed; one still waiting for a slot is dropped at once, with no update."""
+        for i, r in enumerate(self.queue):
+            if r.id == request_id:
+                del self.queue[i]
+                return
+        for slot, s in self.active.items():
+            if s.request.id == request_id:
+                self.ending.setdefault(slot, (reason, stop_reason))
+
+    def is_waiting(self, request_id) -> bool:
+        return any(r.id == request_id for r in self.queue)
+
+    @property
+    def running(self) -> int:
+        """Requests holding a slot."""
+        return len(self.active)
+
+    def has_work(self) -> bool:
+        return bool(self.queue or self.active)
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Update]:
+        """Run requests to completion, yielding updates as they come."""
+        for r in requests:
+            self.add(r)
+        while self.has_work():
+            yield from self.step()
+
+    def step(self) -> list[Update]:
+        updates = self._end_finished()
+        updates += self._admit()
+        if self.active:
+            updates += self._decode()
+        return updates
+
+    # ---- admission --------------------------------------------------------------------------------
+
+    def _end_finished(self) -> list[Update]:
+        """The updates of the requests `finish` ended; their slots are stopped on the device at the next decode."""
+        out = []
+        for slot, (reason, stop_reason) in sorted(self.ending.items()):
+            if slot in self.active:
+                s = self.active.pop(slot)
+                self._release(slot, s)
+                self._stopping.add(slot)
+                out.append(self._finished(s, [], [], reason, stop_reason))
+        self.ending.clear()
+        return out
+
+    def _admit(self) -> list[Update]:
+        free = [i for i in range(self.slots) if i not in self.active]
+        take = self._next_requests(len(free))
+        if not take:
+            return []
+        self._compute_shared_prefixes(take, free)
+        by_bucket = collections.defaultdict(list)
+        for r in take:
+            reuse = self.prefixes.best(r.prompt)[1]
+            by_bucket[buckets.prompt_bucket(len(r.prompt) - reuse, self.max_context)].append(r)
+        updates = []
+        for _, group in sorted(by_bucket.items()):
+            rows = []
+            for r in group:
+                # Sources are chosen just before each call: the cache then holds what `prefixes` says.
+                source, start = self.prefixes.best(r.prompt)
+                slot = source if source in free else min(free, key=lambda i: len(self.prefixes.tokens[i]))
+                free.remove(slot)
+                rows.append(PrefillRow(r, r.prompt[start:], start, source if source is not None else slot, slot))
+            updates += self._prefill(rows)
+        return updates
+
+    def _next_requests(self, n: int) -> list[Request]:
+        """Take up to n queued requests: the highest priority first, in order of arrival among equals."""
+        if len({r.priority for r in self.queue}) <= 1:
+            return [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
+        chosen = set(heapq.nsmallest(n, range(len(self.queue)), key=lambda i: (-self.queue[i].priority, i)))
+        take = [r for i, r in enumerate(self.queue) if i in chosen]
+        self.queue = collections.deque(r for i, r in enumerate(self.queue) if i not in chosen)
+        return sorted(take, key=lambda r: -r.priority)
+
+    def _compute_shared_prefixes(self, requests: list[Request], free: list[int]) -> None:
+        """Prompts admitted together that share a prefix no slot holds: compute it once, into a free slot
+        that the first of them will then take."""
+        rows = []
+        for members, n in shared_prefixes([r.prompt for r in requests]):
+            if self.prefixes.best(requests[members[0]].prompt)[1] >= n or len(rows) == len(free):
+                continue
+            slot = sorted(free, key=lambda i: len(self.prefixes.tokens[i]))[len(rows)]
+            prefix = requests[members[0]].prompt[:n]
+            rows.append(
+                PrefillRow(Request(None, prefix, SamplingParams(temperature=0.0, max_tokens=1)), prefix, 0, slot, slot)
+            )
+        if rows:
+            self._prefill(rows, sample=False)
+
+    def _prefill(self, rows: list[PrefillRow], sample: bool = True) -> list[Update]:
+        """Compute the rows and start them decoding; without `sample`, only fill the caches (a shared prefix)."""
+        q = buckets.prompt_bucket(max(len(r.tokens) for r in rows), self.max_context)
+        self._ensure_cache(max(r.start + q for r in rows))
+        compiling, start = self.stats.compile_s, time.perf_counter()
+        out = self.device.prefill(rows, sample)
+        now = time.perf_counter()
+        self.stats.prefill_calls += 1
+        self.stats.prefill_tokens += sum(len(r.tokens) for r in rows)
+        self.stats.prefill_s += now - start - (self.stats.compile_s - compiling)
+        for r in rows:
+            self.prefixes.hold(r.slot, r.request.prompt)
+        if not sample:
+            return []
+        updates = []
+        for i, r in enumerate(rows):
+            self._stopping.discard(r.slot)  # refilled: the slot's new request must not be stopped
+            self.stats.cached_tokens += r.start
+            s = _Slot(r.request, len(r.request.prompt), 0, start, now, r.start)
+            self.active[r.slot] = s
+            updates += self._advance(r.slot, s, out, i, first=True)
+        return updates
+
+    # ---- decoding ---------------------------------------------------------------------------------
+
+    def _decode(self) -> list[Update]:
+        n_steps = self.device.decode_steps
+        self._ensure_cache(max(s.length + s.generated for s in self.active.values()) + n_steps)
+        columns = self._decode_columns()
+        cancelled, self._stopping = sorted(self._stopping), set()
+        compiling, start = self.stats.compile_s, time.perf_counter()
+        out = self.device.generate(columns, [s.request.params for s in self.active.values()], cancelled)
+        self.stats.decode_s += time.perf_counter() - start - (self.stats.compile_s - compiling)
+        self.stats.decode_calls += 1
+        self.stats.decode_steps += n_steps
+        self.stats.slot_steps += int(out.emitted.sum())
+        updates = []
+        for column, slot in enumerate(columns):
+            if slot in self.active:
+                s = self.active[slot]
+                before = s.generated
+                updates += self._advance(slot, s, out, column)
+                self.stats.generated_tokens += s.generated - before
+        return updates
+
+    def _advance(self, slot: int, s: _Slot, out: Sampled, column: int, first: bool = False) -> list[Update]:
+        """Take what the device sampled for slot (column `column` of `out`); end the request if the device says so.
+        `first`: the prefill's token, whose update also says the prompt's size."""
+        steps = [i for i in range(out.emitted.shape[0]) if out.emitted[i, column]]
+        tokens = [int(out.tokens[i, column]) for i in steps]
+        logprobs = [float(out.logprobs[i, column]) for i in steps]
+        s.generated += len(tokens)
+        s.tokens += tokens
+        reason = FINISH[int(out.finish[steps[-1], column])] if steps else None
+        if reason is None:
+            return [Update(s.request.id, tokens, logprobs, **(self._prompt_usage(s) if first else {}))]
+        del self.active[slot]
+        self._release(slot, s)
+        stop_token = tokens[-1] if int(out.finish[steps[-1], column]) == STOPPED else None
+        return [self._finished(s, tokens, logprobs, reason, stop_token)]
+
+    def _decode_columns(self) -> list[int]:
+        """The slots a decode call runs: every slot, or, when few are active, just those (padded with the
+        out-of-range index `slots` to the next of ROW_BUCKETS): a step's cost grows with its rows."""
+        active = sorted(self.active)
+        for size in buckets.ROW_BUCKETS:
+            size = buckets.round_up(size, self.device.row_multiple)
+            if len(active) <= size < self.slots:
+                return active + [self.slots] * (size - len(active))
+        return list(range(self.slots))
+
+    def _ensure_cache(self, needed: int) -> None:
+        """Grow the cache to hold `needed` positions (and every active sequence's next steps), or shrink it
+        when far more than that."""
+        for s in self.active.values():
+            needed = max(needed, s.length + s.generated + self.device.decode_steps)
+        current = self.device.cache_length
+        target = buckets.bucket(needed, self.max_context)
+        if target > current or target <= current // 4:
+            start = time.perf_counter()
+            self.device.resize(target)
+            self.prefixes.truncate(target)
+            self.stats.cache_resizes += 1
+            self.stats.decode_s += time.perf_counter() - start
+
+    # ---- ending -----------------------------------------------------------------------------------
+
+    def _release(self, slot: int, s: _Slot) -> None:
+        """The slot is free; its cache keeps the sequence (all but the last token, never fed back)."""
+        self.prefixes.hold(slot, s.request.prompt + s.tokens[:-1])
+
+    @staticmethod
+    def _prompt_usage(s: _Slot) -> dict:
+        return dict(prompt_tokens=len(s.request.prompt), cached_tokens=s.cached)
+
+    def _finished(self, s: _Slot, tokens, logprobs, reason: FinishReason, stop_reason) -> Update:
+        now = time.perf_counter()
+        r = s.request
+        decode_s = now - s.first_token if s.first_token else 0.0
+        timings = Timings(
+            queue_ms=1e3 * max(0.0, s.prefill_start - r.submitted),
+            prefill_ms=1e3 * (s.first_token - s.prefill_start),
+            ttft_ms=1e3 * (s.first_token - r.submitted),
+            decode_ms=1e3 * decode_s,
+            decode_tokens_per_s=(s.generated - 1) / decode_s if decode_s > 0 and s.generated > 1 else 0.0,
+            total_ms=1e3 * (now - r.submitted),
+        )
+        usage = self._prompt_usage(s)
+        return Update(
+            r.id, tokens, logprobs, reason, stop_reason, completion_tokens=s.generated, timings=timings, **usage
+        )
