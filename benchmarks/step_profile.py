@@ -29,17 +29,17 @@ from jaxllama.engine.engine import LAYERS_PER_PROGRAM, Engine
 from jaxllama.engine.request import Request, SamplingParams
 
 
-class TimedEngine(Engine):
-    """An engine whose program calls wait for their results and add their time to `times[kind]`."""
+class TimedPrograms:
+    """An engine's programs (`engine/programs.py`), each call waited for and its time added to `times[kind]`."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, programs):
+        self.programs, self.stats = programs, programs.stats
         self.times, self.calls = collections.defaultdict(float), collections.Counter()
         self.compiles = collections.defaultdict(float)  # compile seconds, by the same keys
 
-    def _run(self, kind, fn, args, static_key=None, donate=None, out=None):
+    def __call__(self, kind, fn, args, static_key, donate, out):
         compiling, start = self.stats.compile_s, time.perf_counter()
-        result = jax.block_until_ready(super()._run(kind, fn, args, static_key, donate, out))
+        result = jax.block_until_ready(self.programs(kind, fn, args, static_key, donate, out))
         if kind.endswith("layers"):  # by shape: rows x tokens, over a cache (decode) or a span (prefill) of some length
             x, cache = args[1], args[4]
             span = x.shape[1] if cache is None else kvcache.length(cache)
@@ -64,7 +64,7 @@ def main(
     from jaxllama import LLM
 
     llm = LLM.load(mesh="data=1,model=1", compilation_cache=False)
-    engine = TimedEngine(
+    engine = Engine(
         llm.config,
         llm.params,
         llm.mesh,
@@ -74,6 +74,7 @@ def main(
         quantize=quantize,
         kv_cache_dtype=kv_cache_dtype,
     )
+    timed = engine.device.programs = TimedPrograms(engine.device.programs)
     rng = np.random.default_rng(seed)
     if job is not None:
         lines = [json.loads(line) for line in Path(job).read_text().splitlines() if line.strip()]
@@ -96,9 +97,9 @@ def main(
         pass
     first = time.perf_counter() - first
     compile_s, generated = engine.stats.compile_s, engine.stats.generated_tokens
-    compiles = dict(engine.compiles)
-    engine.times.clear()
-    engine.calls.clear()
+    compiles = dict(timed.compiles)
+    timed.times.clear()
+    timed.calls.clear()
     start = time.perf_counter()
     for _ in engine.generate(job_requests()):
         pass
@@ -107,8 +108,8 @@ def main(
     print(f"{label}, {slots} slots: {wall:.1f} s, {tokens} tokens, {tokens / wall:.1f} tok/s")
     print(f"first run: {first:.1f} s, of which compile {compile_s:.1f} s ({layers} layers per program)")
     print(f"{'program (layers: rows x tokens /positions)':<46}{'calls':>7}{'s':>9}{'ms/call':>10}{'compile s':>11}")
-    for kind in sorted(set(engine.times) | set(compiles)):
-        calls, seconds = engine.calls[kind], engine.times.get(kind, 0.0)
+    for kind in sorted(set(timed.times) | set(compiles)):
+        calls, seconds = timed.calls[kind], timed.times.get(kind, 0.0)
         per_call = f"{1e3 * seconds / calls:>10.1f}" if calls else f"{'-':>10}"
         print(f"{kind:<46}{calls:>7}{seconds:>9.2f}{per_call}{compiles.get(kind, 0):>11.2f}")
 

@@ -2,10 +2,14 @@
 
 Layers, each importing only from the ones above it in this list:
 
-- ``jaxllama.core``   config, model, parameter layout, sharding, checkpoints (jax, no text, no I/O but
-  checkpoint files);
+- ``jaxllama.errors`` the kinds of bad request, one class each (imports nothing);
+- ``jaxllama.core``   config, model (written in an ``Ops`` value's operations: XLA's), parameter layout, sharding,
+  checkpoints (jax, no text, no I/O but checkpoint files);
+- ``jaxllama.backends`` other implementations of the model's operations, chosen once at load: ``cpu/``, the CPU
+  kernels (builds on core; nothing else imports a kernel);
 - ``jaxllama.text``   tokenizers, chat templates, end-of-generation ids, stop strings (plain Python, no jax);
-- ``jaxllama.engine`` KV cache, sampling, continuous batching (builds on core);
+- ``jaxllama.engine`` the device half (KV cache, sampling, compiled prefill/decode programs) and the scheduler
+  (continuous batching, plain Python), joined by ``Engine`` (builds on core and backends);
 - ``jaxllama.llm``, ``jaxllama.batch``, ``jaxllama.server``  user-facing APIs (engine + text), with
   ``jaxllama.protocol``, the OpenAI request and response shapes the batch runner and the server share;
 - ``jaxllama.cli``    the ``jaxllama`` command.
