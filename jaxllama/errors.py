@@ -3,8 +3,9 @@
 They live at the bottom of the package (this module imports nothing of jaxllama) so that every layer can raise
 them: the sampling parameters and the engine (a prompt past the context), the text layer (a conversation or a chat
 template), the request pipeline (a body's fields). Only the protocol layer turns them into OpenAI error codes and
-HTTP statuses (`jaxllama.protocol.errors`), by class, never by message. All are ValueErrors: a caller that only
-needs to know "this request is bad" can catch that.
+HTTP statuses (`jaxllama.protocol.errors`), by class, never by message. The request errors are ValueErrors: a
+caller that only needs to know "this request is bad" can catch that. The last three are failures of the service
+(busy, stopped, its client gone), not of the request.
 """
 
 from __future__ import annotations
@@ -51,3 +52,18 @@ class DuplicateId(RequestError):
 
 class UnsupportedEndpoint(RequestError):
     """An OpenAI Batch line whose url is not an endpoint jaxllama serves."""
+
+
+# Failures of the service rather than of the request: the same request may run later.
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the queue of waiting requests is full."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is not running: stopped, or failed (the message says why)."""
+
+
+class ClientClosed(Exception):
+    """The client went away before its answer was ready."""

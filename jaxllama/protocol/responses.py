@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from typing import TYPE_CHECKING
 
-from jaxllama.generation import Result
+if TYPE_CHECKING:
+    from jaxllama.generation import Result
 
 
 def new_id(kind: str) -> str:

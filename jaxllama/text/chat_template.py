@@ -22,6 +22,7 @@ import jinja2.nodes
 import jinja2.sandbox
 import jinja2.utils
 
+from jaxllama import errors
 from jaxllama.text.builtin_templates import BUILTIN_TEMPLATES
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ END_OF_TURN_TOKENS: tuple[str, ...] = (
 """Token texts that close a turn in common chat formats, looked for in a template's source."""
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(errors.TemplateError):
     """A chat template is missing, invalid, or refused to render (e.g. through `raise_exception`)."""
 
 

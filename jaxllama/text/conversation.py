@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from jaxllama.errors import InvalidMessages
+
 ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool", "ipython"})
 """The message roles a conversation may use."""
 
@@ -16,8 +18,11 @@ TEXT_PART_SEPARATOR = "\n"
 """How the text parts of an OpenAI-style content list are joined into one string."""
 
 
-class ConversationError(ValueError):
+class ConversationError(InvalidMessages):
     """A chat message list is malformed; the message names the offending message index and field."""
+
+    def __init__(self, message: str, param: str | None = "messages"):
+        super().__init__(message, param)
 
 
 def validate_messages(messages: object) -> list[dict[str, Any]]:
