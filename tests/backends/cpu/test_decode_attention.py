@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel against XLA's attention (`model._decode_attention` over the gathered rows), and
+"""The CPU decode-attention kernel against XLA's attention (`Ops.attention`, one query per row), and
 an engine that uses it against one that does not."""
 
 import shutil
@@ -10,7 +10,7 @@ import pytest
 
 from jaxllama.backends.cpu import decode_attention, library
 from jaxllama.backends.cpu.ops import CpuOps
-from jaxllama.core.model import _decode_attention
+from jaxllama.core.ops import XLA
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.request import Request, SamplingParams
@@ -26,9 +26,7 @@ def kernel(tmp_path_factory):
 
 
 def xla_attention(q, keys, values, slots, positions):
-    rows_k, rows_v = (jnp.take(x, slots, axis=0, mode="fill", fill_value=0) for x in (keys, values))
-    visible = jnp.arange(keys.shape[-1])[None, :] <= positions[:, None]
-    return _decode_attention(q, rows_k, rows_v, visible)
+    return XLA.attention(q[:, None], keys, values, positions[:, None], rows=slots)[:, 0]
 
 
 @pytest.mark.parametrize(
@@ -73,7 +71,7 @@ def test_engine_with_and_without_the_kernel_agree(kernel, kv_cache_dtype):
     for use in (True, False):
         mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
         engine = Engine(config, params, mesh, eos_ids=[], max_slots=8, cpu_kernels=use, kv_cache_dtype=kv_cache_dtype)
-        assert engine.cache[0][0].dtype == (jnp.float16 if kv_cache_dtype else jnp.float32)
+        assert engine.device.cache[0][0].dtype == (jnp.float16 if kv_cache_dtype else jnp.float32)
         requests = [Request(i, p, SamplingParams(max_tokens=6 + i, temperature=0.0)) for i, p in enumerate(prompts)]
         out = {i: [] for i in range(len(prompts))}
         for update in engine.generate(requests):

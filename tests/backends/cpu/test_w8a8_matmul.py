@@ -19,7 +19,7 @@ from jaxllama.engine.engine import Engine
 from jaxllama.engine.request import Request, SamplingParams
 from tests.engine.conftest import spread_params, tiny_config
 from tests.engine.test_engine import run
-from tests.kernels.test_quantized_matmul import q8_0, weights, with_q8_0_weights
+from tests.backends.cpu.test_quantized_matmul import q8_0, weights, with_q8_0_weights
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
 
