@@ -133,7 +133,7 @@ class Scheduler:
                 s = self.active.pop(slot)
                 self._release(slot, s)
                 self._stopping.add(slot)
-                out.append(self._finished(s, [], [], reason, stop_reason))
+                out.append(_final_update(s, [], [], reason, stop_reason))
         self.ending.clear()
         return out
 
@@ -238,11 +238,11 @@ class Scheduler:
         s.tokens += tokens
         reason = FINISH[int(out.finish[steps[-1], column])] if steps else None
         if reason is None:
-            return [Update(s.request.id, tokens, logprobs, **(self._prompt_usage(s) if first else {}))]
+            return [Update(s.request.id, tokens, logprobs, **(_prompt_usage(s) if first else {}))]
         del self.active[slot]
         self._release(slot, s)
         stop_token = tokens[-1] if int(out.finish[steps[-1], column]) == STOPPED else None
-        return [self._finished(s, tokens, logprobs, reason, stop_token)]
+        return [_final_update(s, tokens, logprobs, reason, stop_token)]
 
     def _decode_columns(self) -> list[int]:
         """The slots a decode call runs: every slot, or, when few are active, just those (padded with the
@@ -274,23 +274,23 @@ class Scheduler:
         """The slot is free; its cache keeps the sequence (all but the last token, never fed back)."""
         self.prefixes.hold(slot, s.request.prompt + s.tokens[:-1])
 
-    @staticmethod
-    def _prompt_usage(s: _Slot) -> dict:
-        return dict(prompt_tokens=len(s.request.prompt), cached_tokens=s.cached)
 
-    def _finished(self, s: _Slot, tokens, logprobs, reason: FinishReason, stop_reason) -> Update:
-        now = time.perf_counter()
-        r = s.request
-        decode_s = now - s.first_token if s.first_token else 0.0
-        timings = Timings(
-            queue_ms=1e3 * max(0.0, s.prefill_start - r.submitted),
-            prefill_ms=1e3 * (s.first_token - s.prefill_start),
-            ttft_ms=1e3 * (s.first_token - r.submitted),
-            decode_ms=1e3 * decode_s,
-            decode_tokens_per_s=(s.generated - 1) / decode_s if decode_s > 0 and s.generated > 1 else 0.0,
-            total_ms=1e3 * (now - r.submitted),
-        )
-        usage = self._prompt_usage(s)
-        return Update(
-            r.id, tokens, logprobs, reason, stop_reason, completion_tokens=s.generated, timings=timings, **usage
-        )
+def _prompt_usage(s: _Slot) -> dict:
+    return dict(prompt_tokens=len(s.request.prompt), cached_tokens=s.cached)
+
+
+def _final_update(s: _Slot, tokens, logprobs, reason: FinishReason, stop_reason) -> Update:
+    """A request's last update: its last tokens, why it ended, its usage and timings."""
+    now = time.perf_counter()
+    r = s.request
+    decode_s = now - s.first_token if s.first_token else 0.0
+    timings = Timings(
+        queue_ms=1e3 * max(0.0, s.prefill_start - r.submitted),
+        prefill_ms=1e3 * (s.first_token - s.prefill_start),
+        ttft_ms=1e3 * (s.first_token - r.submitted),
+        decode_ms=1e3 * decode_s,
+        decode_tokens_per_s=(s.generated - 1) / decode_s if decode_s > 0 and s.generated > 1 else 0.0,
+        total_ms=1e3 * (now - r.submitted),
+    )
+    usage = _prompt_usage(s)
+    return Update(r.id, tokens, logprobs, reason, stop_reason, completion_tokens=s.generated, timings=timings, **usage)
