@@ -98,7 +98,7 @@ def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str
 
 # ---- the math: pure functions over (sub)trees of params --------------------------------------------
 # `forward` runs these directly over the params pytree; the Linen modules below only declare the
-# parameters and call the same functions (tracing through Linen's `apply` costs ~2x more per compile).
+# parameters and call the same functions (tracing through Linen's `apply` costs more per compile).
 
 
 def rms_norm(p, x: jax.Array, eps: float) -> jax.Array:

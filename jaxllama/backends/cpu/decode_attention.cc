@@ -1,6 +1,6 @@
 // Decode attention on the CPU: one query per row against the cached keys/values of the row's slot, for XLA:CPU,
-// which runs it as single-threaded batched reductions at a third of the memory bandwidth (SmolLM2, 64 rows over
-// 384 positions: 3 ms here against 8 ms per layer). An XLA FFI handler (`ffi.h`); `decode_attention.py` calls it.
+// which runs it as single-threaded batched reductions far below the memory bandwidth (benchmarks/README.md). An XLA FFI
+// handler (`ffi.h`); `decode_attention.py` calls it.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

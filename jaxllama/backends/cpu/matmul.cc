@@ -3,8 +3,7 @@
 // decode step's small products (32-64 rows) on one thread, through a library that repacks the weight on every
 // call; this kernel reads each panel as one contiguous stream and shares every product between XLA's threads.
 // A gated product (an MLP's gate and up projections, `pack_gated`) holds in each panel 8 gate columns and the 8 up
-// columns of the same outputs, and stores silu(gate) x up: XLA's fusion for it took longer than the product at 32
-// rows (~0.25 ms of ~0.9).
+// columns of the same outputs, and stores silu(gate) x up: no separate pass over the two outputs.
 // Quantized weights (`matmul.py`'s `quantize`: int8, a float32 scale per column per block of kQBlock inputs, as
 // llama.cpp's Q8_0) take 1.125 bytes a weight instead of 4, the bytes that bound a one-row product. Their products
 // quantize each row of x per block (a scale per row and block) and sum each block exactly in int32, then add it in
