@@ -1,0 +1,66 @@
+"""Two versions of jaxllama on the same jobs, in one run: does a change keep (or improve) the speed?
+
+    python -m benchmarks.compare_commits BASE JOB.jsonl [JOB.jsonl ...] [--rounds 2] [--options "--quantize w8a8"]
+
+BASE is a git revision (e.g. `HEAD~3`, a commit id); it is checked out into a temporary worktree and compared with
+the working tree. Each version runs each job through `jaxllama run` with its own compilation cache: once cold
+(not counted: it fills the cache), then `rounds` times warm, the two versions alternating so that a machine whose
+speed drifts affects both alike. Prints each warm run's output tokens/s and the ratio of the medians (working tree
+over BASE).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import fire
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_job(tree: Path, cache: Path, job: Path, options: list[str]) -> dict:
+    """`jaxllama run` of the version in `tree` (its own source first on the path), and its summary."""
+    out, stats = cache / "out.jsonl", cache / "stats.json"
+    cmd = [sys.executable, "-m", "jaxllama.cli", "run", str(job), "--output", str(out), "--overwrite", "--quiet"]
+    cmd += ["--stats-file", str(stats), *options]
+    env = {**os.environ, "JAXLLAMA_CACHE": str(cache), "PYTHONPATH": str(tree)}
+    subprocess.run(cmd, cwd=tree, env=env, check=True)
+    return json.loads(stats.read_text())
+
+
+def main(base: str, *jobs: str, rounds: int = 2, options: str = ""):
+    flags = shlex.split(options)
+    jobs = [Path(j).resolve() for j in jobs]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        subprocess.run(["git", "worktree", "add", "--detach", str(tmp / "base"), base], cwd=REPO, check=True)
+        try:
+            trees = {"base": tmp / "base", "new": REPO}
+            for job in jobs:
+                runs = {name: [] for name in trees}
+                for name, tree in trees.items():  # cold: fills each version's cache
+                    run_job(tree, tmp / f"cache-{name}", job, flags)
+                for i in range(rounds):
+                    for name, tree in trees.items() if i % 2 == 0 else reversed(trees.items()):
+                        stats = run_job(tree, tmp / f"cache-{name}", job, flags)
+                        runs[name].append(stats["output_tokens_per_s"])
+                        print(
+                            f"{job.name} {name}: {stats['output_tokens_per_s']:.1f} output tok/s, "
+                            f"wall {stats['wall_s']:.1f} s",
+                            flush=True,
+                        )
+                ratio = statistics.median(runs["new"]) / statistics.median(runs["base"])
+                print(f"{job.name}: working tree / {base} = {ratio:.3f} (medians of {rounds} warm runs)", flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "base")], cwd=REPO, check=False)
+
+
+if __name__ == "__main__":
+    fire.Fire(main)
