@@ -14,6 +14,8 @@ import sys
 
 import fire
 
+from jaxllama.engine.request import SamplingParams
+
 REPEATABLE = ("--stop", "--eos-id", "--eos_id")
 
 
@@ -60,12 +62,12 @@ def run(
     model: str | None = None,
     output: str | None = None,
     mesh: str | None = None,
-    max_tokens: int = 256,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    seed: int | None = None,
+    max_tokens: int = SamplingParams.max_tokens,
+    temperature: float = SamplingParams.temperature,
+    top_p: float = SamplingParams.top_p,
+    top_k: int = SamplingParams.top_k,
+    min_p: float = SamplingParams.min_p,
+    seed: int | None = SamplingParams.seed,
     stop=None,
     eos_id=None,
     system_prompt: str | None = None,
@@ -119,16 +121,15 @@ def run(
     from pathlib import Path
 
     from jaxllama.batch.runner import default_output, print_summary, run_job
-    from jaxllama.engine.request import SamplingParams
     from jaxllama.engine.runtime import is_main_process
+    from jaxllama.protocol.requests import sampling_params
 
     job_path = Path(job)
     if not job_path.is_file():
         _fail(f"{job}: no such job file")
     try:
-        defaults = SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
-        )
+        flags = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+        defaults = sampling_params(flags, SamplingParams())  # checked as a job line's fields are
         llm = _common_setup(
             model,
             mesh,

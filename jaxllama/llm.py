@@ -9,7 +9,6 @@ for piece in llm.generate("Tell me a story", max_tokens=20, stream=True): print(
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -29,12 +28,11 @@ from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import enable_compilation_cache
 from jaxllama.generation import Generation, Result
 from jaxllama.kernels.matmul import check_quantization
+from jaxllama.protocol.requests import SAMPLING_FIELDS, sampling_params
 from jaxllama.text.chat_template import ChatTemplate, encode_chat
 from jaxllama.text.conversation import validate_messages
 from jaxllama.text.end_of_generation import end_of_generation_ids, load_generation_config
 from jaxllama.text.tokenizer import Tokenizer, load_tokenizer
-
-SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 class LLM:
@@ -131,6 +129,11 @@ class LLM:
             path=Path(path),
         )
 
+    @property
+    def name(self) -> str:
+        """The model's name in answers and records: its checkpoint folder's name, or "jaxllama"."""
+        return self.path.name if self.path else "jaxllama"
+
     # ---- research --------------------------------------------------------------------------------
 
     @property
@@ -222,7 +225,7 @@ class LLM:
         unknown = set(sampling) - set(SAMPLING_FIELDS)
         if unknown:
             raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
-        params = SamplingParams(**sampling)
+        params = sampling_params(sampling, SamplingParams())
         stop = [stop] if isinstance(stop, str) else list(stop)
         if stream:
             if not single:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxllama import LLM
+from jaxllama.errors import InvalidParameter
 from tests.multiprocess import REPO, process_env
 
 TURNS = ["hello there", "and then?"]
@@ -59,3 +60,18 @@ def test_greedy_replies_are_the_argmax_of_llm_logits(llm):
         prompt = llm.encode_chat(messages)
         logits = llm.logits([prompt + reply.token_ids])[0]
         assert reply.token_ids == np.argmax(logits[len(prompt) - 1 : -1], axis=-1).tolist()
+
+
+def test_sampling_keywords_are_checked_as_request_fields_are(llm, tiny_chat_checkpoint):
+    """`LLM.generate` and `LLM.chat` read their sampling keywords through the request pipeline's code."""
+    with pytest.raises(InvalidParameter) as e:
+        llm.generate("x", top_p=0)
+    assert e.value.param == "top_p" and e.value.message == "top_p=0: must be in (0, 1]"
+    with pytest.raises(InvalidParameter) as e:
+        llm.chat([{"role": "user", "content": "x"}], temperature=True)
+    assert e.value.param == "temperature"
+    with pytest.raises(TypeError, match="max_completion_tokens"):  # a request field's alias, not a keyword
+        llm.generate("x", max_completion_tokens=3)
+    short = llm.generate("x", max_tokens=2, temperature=0, stop_token_ids=(5,), seed=None)
+    assert len(short.token_ids) <= 2
+    assert llm.name == tiny_chat_checkpoint.name

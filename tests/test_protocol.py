@@ -1,12 +1,17 @@
-"""Reading OpenAI request bodies (`jaxllama.protocol.requests`): what the batch runner and the server accept."""
+"""Reading OpenAI request bodies (`jaxllama.protocol.requests`, `.pipeline`) and answering failures
+(`jaxllama.protocol.errors`): what the batch runner and the server accept, and the codes they refuse with."""
 
 from __future__ import annotations
 
 import pytest
 
+from jaxllama import errors as E
 from jaxllama.engine.request import SamplingParams
-from jaxllama.protocol.requests import RequestError, output_options, parse_body, submit_error
-from jaxllama.text.chat_template import ChatTemplateError
+from jaxllama.protocol import errors
+from jaxllama.protocol.pipeline import RequestPipeline
+from jaxllama.protocol.requests import REQUEST_FIELDS, SAMPLING_FIELDS, output_options, parse_body, sampling_params
+from jaxllama.text.chat_template import ChatTemplate, ChatTemplateError
+from jaxllama.text.conversation import ConversationError
 
 DEFAULTS = SamplingParams(max_tokens=50, temperature=0.5)
 HI = [{"role": "user", "content": "hi"}]
@@ -31,6 +36,15 @@ def test_fields_override_the_defaults():
     assert parse_body({"prompt": ["x"]}, "completion", DEFAULTS).prompt == "x"
 
 
+def test_the_sampling_fields_are_those_of_sampling_params():
+    assert set(REQUEST_FIELDS.values()) == set(SAMPLING_FIELDS) == {f for f in SamplingParams.__dataclass_fields__}
+    every = {"max_tokens": 9, "temperature": 0.0, "top_k": 4, "top_p": 0.5, "min_p": 0.1, "seed": 2}
+    every |= {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.5, "stop_token_ids": [3]}
+    assert set(every) == set(SAMPLING_FIELDS)
+    assert sampling_params(every, DEFAULTS) == SamplingParams(**{**every, "stop_token_ids": (3,)})
+    assert sampling_params({"max_tokens": 3, "max_completion_tokens": 4}, DEFAULTS).max_tokens == 4  # the later wins
+
+
 @pytest.mark.parametrize(
     "body, kind, code, param",
     [
@@ -48,9 +62,15 @@ def test_fields_override_the_defaults():
     ],
 )
 def test_bad_bodies_name_the_field(body, kind, code, param):
-    with pytest.raises(RequestError) as e:
+    with pytest.raises(E.RequestError) as e:
         parse_body(body, kind, DEFAULTS)
-    assert (e.value.code, e.value.param) == (code, param) and e.value.message.startswith(param)
+    failure = errors.failure(e.value, kind)
+    assert (failure.code, failure.status, failure.param) == (code, 400, param)
+    assert failure.message == e.value.message and e.value.message.startswith(param)
+    assert failure.body()["error"] == {"message": e.value.message, "type": "invalid_request_error"} | {
+        "param": param,
+        "code": code,
+    }
 
 
 def test_off_values_of_unsupported_fields_are_accepted():
@@ -72,17 +92,105 @@ def test_output_options():
         ({"logprobs": 2}, "completion", "logprobs"),
         ({"logprobs": True}, "completion", "logprobs"),
     ]:
-        with pytest.raises(RequestError) as e:
+        with pytest.raises(E.InvalidParameter) as e:
             output_options(body, kind)
         assert e.value.param == param
 
 
-def test_submit_errors():
-    long = submit_error(ValueError("prompt is 300 tokens, the context limit is 256 (...)"), "completion")
-    assert (long.code, long.param) == ("context_length_exceeded", "prompt")
-    template = submit_error(ChatTemplateError("the template failed"), "chat")
+# ---- the error table ---------------------------------------------------------------------------------------
+
+CODES = [
+    (E.RequestError, "invalid_request", 400),
+    (E.InvalidRequest, "invalid_request", 400),
+    (E.InvalidJSON, "invalid_json", 400),
+    (E.InvalidParameter, "invalid_parameter", 400),
+    (E.InvalidMessages, "invalid_messages", 400),
+    (E.TemplateError, "template_error", 400),
+    (E.ContextLengthExceeded, "context_length_exceeded", 400),
+    (E.DuplicateId, "duplicate_id", 400),
+    (E.UnsupportedEndpoint, "invalid_url", 400),
+    (E.QueueFull, "queue_full", 429),
+    (E.EngineUnavailable, "engine_unavailable", 503),
+    (E.ClientClosed, "client_closed", 499),
+    (ValueError, "invalid_request", 400),  # a check of the engine's without a class of its own
+    (KeyError, "internal_error", 500),
+]
+
+
+def test_every_error_class_has_its_code_and_status():
+    classes = [c for c in vars(E).values() if isinstance(c, type) and issubclass(c, Exception)]
+    assert set(classes) <= {c for c, _, _ in CODES}  # a new class must be added to the table and here
+    for cls, code, status in CODES:
+        failure = errors.failure(cls("what went wrong"), "completion")
+        assert (failure.code, failure.status) == (code, status), cls
+        if status == 500:
+            assert (
+                failure.kind.type == "server_error" and failure.message == "internal error: KeyError('what went wrong')"
+            )
+        else:
+            assert failure.message == "what went wrong"
+    assert errors.failure(E.QueueFull("busy")).kind.type == "rate_limit_error"
+    assert errors.internal_failure(E.InvalidParameter("x")).status == 500  # what nothing expected, whatever its class
+
+
+def test_the_class_decides_the_code_not_the_message():
+    for message in ["prompt is 300 tokens, the context limit is 256", "too long", "top_p=2: must be in (0, 1]"]:
+        assert errors.failure(E.ContextLengthExceeded(message), "chat").code == "context_length_exceeded"
+    assert (
+        errors.failure(ValueError("prompt is 300 tokens, the context limit is 256"), "chat").code == "invalid_request"
+    )
+    assert errors.failure(ValueError("top_p=2: must be in (0, 1]"), "chat").param is None
+
+
+def test_the_params_of_failures():
+    long = E.ContextLengthExceeded("prompt is 300 tokens, the context limit is 256")
+    assert errors.failure(long, "completion").param == "prompt" and errors.failure(long, "chat").param == "messages"
+    assert errors.failure(E.ContextLengthExceeded("x", "max_tokens"), "chat").param == "max_tokens"
+    template = errors.failure(ChatTemplateError("the template failed"), "chat")
     assert (template.code, template.param) == ("template_error", "messages")
-    field = submit_error(ValueError("stop_token_ids=[999]: 999 is outside the vocabulary"), "chat")
+    conversation = errors.failure(ConversationError("messages[0].role: missing"), "chat")
+    assert (conversation.code, conversation.param) == ("invalid_messages", "messages")
+    field = errors.failure(E.InvalidParameter("stop_token_ids=[999]: 999 is outside the vocabulary", "stop_token_ids"))
     assert (field.code, field.param) == ("invalid_parameter", "stop_token_ids")
-    assert submit_error(ValueError("stop strings must not be empty"), "chat").param == "stop"
-    assert submit_error(ValueError("prompt is empty"), "completion").code == "invalid_request"
+    assert errors.failure(E.InvalidRequest("prompt is empty"), "completion").param is None
+
+
+def test_the_text_layer_raises_request_errors():
+    assert issubclass(ConversationError, E.InvalidMessages) and issubclass(ChatTemplateError, E.TemplateError)
+    with pytest.raises(E.TemplateError) as e:
+        ChatTemplate("{{ raise_exception('no system messages') }}").render(HI)
+    assert errors.failure(e.value, "chat").code == "template_error"
+
+
+# ---- the pipeline ------------------------------------------------------------------------------------------
+
+
+class Characters:
+    """An encoder of one token per character; a conversation is its contents, each after its role's initial."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.encode("".join(m["role"][0] + m["content"] for m in messages))
+
+
+def test_the_pipeline_prepares_a_request():
+    pipeline = RequestPipeline(Characters(), DEFAULTS, ("END",))
+    body = {"prompt": "ab", "max_tokens": 3, "stream": True, "logprobs": 0, "model": "m"}
+    request = pipeline.prepare(body, "completion")
+    assert (request.kind, request.prompt, request.stop, request.model) == ("completion", [97, 98], ["END"], "m")
+    assert request.params == SamplingParams(max_tokens=3, temperature=0.5)
+    assert request.options.stream and request.options.logprobs
+    chat = pipeline.prepare({"messages": HI, "stop": None}, "chat")
+    assert chat.prompt == Characters().encode("uhi") and chat.stop == [] and chat.params == DEFAULTS
+
+
+def test_a_job_pipeline_adds_the_system_prompt_and_ignores_delivery_fields():
+    pipeline = RequestPipeline(Characters(), DEFAULTS, system_prompt="S", output_options=False)
+    request = pipeline.prepare({"messages": HI, "stream": "yes", "logprobs": 5}, "chat")
+    assert request.prompt == Characters().encode("sSuhi") and not request.options.stream
+    system = [{"role": "system", "content": "T"}, *HI]
+    assert pipeline.prepare({"messages": system}, "chat").prompt == Characters().encode("sTuhi")
+    with pytest.raises(E.InvalidParameter):
+        RequestPipeline(Characters(), DEFAULTS).prepare({"messages": HI, "stream": "yes"}, "chat")

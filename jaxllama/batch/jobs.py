@@ -1,5 +1,7 @@
-"""Reading job lines: each line's shape is detected on its own (chat, plain prompt, OpenAI Batch API), and a
-bad line becomes a `LineError` naming the line and the field, never an exception that stops the job."""
+"""Reading job lines. Each line is read once into a `JobLine`, which knows its id and its shape (a plain line, or
+an OpenAI Batch API line to be answered in that API's output shape) even when the rest of the line is bad, so that
+its output record, answer or error, carries the right id in the right shape. `JobLine.request` then gives its
+kind and request body, or raises the `jaxllama.errors` class of what is wrong with it."""
 
 from __future__ import annotations
 
@@ -7,95 +9,70 @@ import dataclasses
 import json
 from typing import Any
 
-from jaxllama.engine.request import SamplingParams
-from jaxllama.protocol.requests import RequestError, parse_body
+from jaxllama.errors import InvalidJSON, InvalidRequest, UnsupportedEndpoint
 
 OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
-@dataclasses.dataclass
-class LineError(Exception):
-    """A line that cannot run: code (machine-readable), message (for people), line number (1-based)."""
-
-    code: str
-    message: str
-    line: int
-
-    def __str__(self) -> str:
-        return f"line {self.line}: {self.message}"
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class JobLine:
-    """One parsed request."""
+    """One line of a job, read but not yet checked."""
 
-    line: int  # 1-based line number in the job file
-    id: Any  # "id", or the OpenAI "custom_id", or the line number
-    kind: str  # "chat" | "completion"
-    openai: bool  # OpenAI Batch API line: answer in its output shape
-    messages: list[dict] | None
-    prompt: str | None
-    params: SamplingParams
-    stop: list[str]
-    model: str | None = None
+    number: int  # 1-based line number in the job file
+    id: str | int  # "id", or the OpenAI "custom_id", or else the line number
+    openai: bool  # an OpenAI Batch API line: answered in its output shape
+    obj: Any = None  # the line's JSON value
+    json_error: str | None = None  # why the line is not JSON
 
-
-def line_id(raw: str, number: int):
-    """The id of a line for resume and error records, even when the line is otherwise bad."""
-    try:
-        obj = json.loads(raw)
-    except ValueError:
-        return number
-    if isinstance(obj, dict):
-        for key in ("id", "custom_id"):
-            if isinstance(obj.get(key), (str, int)) and not isinstance(obj.get(key), bool):
-                return obj[key]
-    return number
+    def request(self) -> tuple[str, dict]:
+        """The line's kind ("chat" | "completion") and request body. Raises InvalidJSON, InvalidRequest or
+        UnsupportedEndpoint."""
+        if self.json_error is not None:
+            raise InvalidJSON(f"not valid JSON ({self.json_error})")
+        if not isinstance(self.obj, dict):
+            raise InvalidRequest(f"expected a JSON object, got {type(self.obj).__name__}")
+        return _openai_request(self.obj) if self.openai else _plain_request(self.obj)
 
 
-def parse_line(
-    raw: str, number: int, defaults: SamplingParams, default_stop: list[str], system_prompt: str | None = None
-) -> JobLine:
-    """Parse one line; raises LineError."""
+def read_line(raw: str, number: int) -> JobLine:
+    """Read one line of a job; never raises (a bad line fails later, in `JobLine.request`).
+
+    A line is an OpenAI Batch line when it has a "custom_id" or a "body", and its id is its "custom_id"; else
+    its id is its "id". A line that is not JSON is taken for an OpenAI one when its text mentions "custom_id".
+    Without a usable id (a string or an integer), the line number stands for it."""
     try:
         obj = json.loads(raw)
     except ValueError as e:
-        raise LineError("invalid_json", f"not valid JSON ({e})", number) from None
-    if not isinstance(obj, dict):
-        raise LineError("invalid_request", f"expected a JSON object, got {type(obj).__name__}", number)
-    openai = "custom_id" in obj or "body" in obj
-    if openai:
-        rid = obj.get("custom_id")
-        if not isinstance(rid, str) or not rid:
-            raise LineError("invalid_request", "custom_id: must be a non-empty string", number)
-        url = obj.get("url")
-        if url not in OPENAI_URLS:
-            raise LineError(
-                "invalid_url", f"url: {url!r} is not supported (expected one of {', '.join(OPENAI_URLS)})", number
-            )
-        if obj.get("method", "POST") != "POST":
-            raise LineError("invalid_request", f"method: {obj.get('method')!r}, expected 'POST'", number)
-        body = obj.get("body")
-        if not isinstance(body, dict):
-            raise LineError("invalid_request", "body: must be a JSON object", number)
-        kind = OPENAI_URLS[url]
-    else:
-        rid = obj.get("id", number)
-        if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-            raise LineError("invalid_request", f"id: must be a string or an integer, got {rid!r}", number)
-        body = obj
-        if "messages" in obj:
-            kind = "chat"
-        elif "prompt" in obj:
-            kind = "completion"
-        else:
-            raise LineError("invalid_request", "a line needs 'messages' (chat) or 'prompt' (completion)", number)
+        return JobLine(number, number, '"custom_id"' in raw, json_error=str(e))
+    openai = isinstance(obj, dict) and ("custom_id" in obj or "body" in obj)
+    rid = obj.get("custom_id" if openai else "id") if isinstance(obj, dict) else None
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        rid = number
+    return JobLine(number, rid, openai, obj)
 
-    try:
-        parsed = parse_body(body, kind, defaults, default_stop)
-    except RequestError as e:
-        raise LineError(e.code, e.message, number) from None
-    messages = parsed.messages
-    if messages is not None and system_prompt and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system_prompt}, *messages]
-    return JobLine(number, rid, kind, openai, messages, parsed.prompt, parsed.params, parsed.stop, parsed.model)
+
+def _openai_request(obj: dict) -> tuple[str, dict]:
+    rid = obj.get("custom_id")
+    if not isinstance(rid, str) or not rid:
+        raise InvalidRequest("custom_id: must be a non-empty string", "custom_id")
+    url = obj.get("url")
+    if url not in OPENAI_URLS:
+        expected = ", ".join(OPENAI_URLS)
+        raise UnsupportedEndpoint(f"url: {url!r} is not supported (expected one of {expected})", "url")
+    if obj.get("method", "POST") != "POST":
+        raise InvalidRequest(f"method: {obj.get('method')!r}, expected 'POST'", "method")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise InvalidRequest("body: must be a JSON object", "body")
+    return OPENAI_URLS[url], body
+
+
+def _plain_request(obj: dict) -> tuple[str, dict]:
+    rid = obj.get("id")
+    if "id" in obj and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
+        raise InvalidRequest(f"id: must be a string or an integer, got {rid!r}", "id")
+    if "messages" in obj:
+        return "chat", obj
+    if "prompt" in obj:
+        return "completion", obj
+    raise InvalidRequest("a line needs 'messages' (chat) or 'prompt' (completion)")

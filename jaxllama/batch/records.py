@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import uuid
+from typing import TYPE_CHECKING
 
-from jaxllama.batch.jobs import JobLine, LineError
-from jaxllama.generation import Result
-from jaxllama.protocol import responses
+from jaxllama.batch.jobs import JobLine
+from jaxllama.protocol import errors, responses
+from jaxllama.protocol.pipeline import PreparedRequest
+
+if TYPE_CHECKING:
+    from jaxllama.generation import Result
 
 
-def success(job: JobLine, result: Result, model_name: str) -> dict:
-    if job.openai:
-        return _openai_success(job, result, model_name)
-    record = {"id": job.id}
-    if job.kind == "chat":
+def success(line: JobLine, request: PreparedRequest, result: Result, model_name: str) -> dict:
+    """The answer to a line: `{"id", "message" | "text", "finish_reason", "stop_reason", "usage", "timings"}`."""
+    if line.openai:
+        return _openai_success(line, request, result, model_name)
+    record = {"id": line.id}
+    if request.kind == "chat":
         record["message"] = {"role": "assistant", "content": result.text}
     else:
         record["text"] = result.text
@@ -26,29 +31,33 @@ def success(job: JobLine, result: Result, model_name: str) -> dict:
     return record
 
 
-def _openai_success(job: JobLine, result: Result, model_name: str) -> dict:
-    body = responses.completion(job.kind, result, job.model or model_name)
+def _openai_success(line: JobLine, request: PreparedRequest, result: Result, model_name: str) -> dict:
+    body = responses.completion(request.kind, result, request.model or model_name)
     request_id = body["id"].split("-", 1)[1]
     return {
         "id": f"batch_req_{request_id}",
-        "custom_id": job.id,
+        "custom_id": line.id,
         "response": {"status_code": 200, "request_id": request_id, "body": body},
         "error": None,
     }
 
 
-def failure(error: LineError, rid, openai: bool) -> dict:
-    if openai:
+def failure(line: JobLine, error: Exception) -> dict:
+    """The error record of a line that cannot run: `{"id", "error": {"code", "message", "line"}}`, or for an
+    OpenAI line a response with the HTTP status and OpenAI error object the server would answer (the line
+    number added)."""
+    answer = errors.failure(error)
+    if line.openai:
         request_id = uuid.uuid4().hex
-        body = responses.error(error.message, error.code)
-        body["error"]["line"] = error.line
+        body = responses.error(answer.message, answer.code)
+        body["error"]["line"] = line.number
         return {
             "id": f"batch_req_{request_id}",
-            "custom_id": rid,
-            "response": {"status_code": 400, "request_id": request_id, "body": body},
+            "custom_id": line.id,
+            "response": {"status_code": answer.status, "request_id": request_id, "body": body},
             "error": None,
         }
-    return {"id": rid, "error": {"code": error.code, "message": error.message, "line": error.line}}
+    return {"id": line.id, "error": {"code": answer.code, "message": answer.message, "line": line.number}}
 
 
 def record_id(record: dict):

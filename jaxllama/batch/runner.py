@@ -1,6 +1,10 @@
 """Run a job file: every line answered, in input order, each written and flushed as soon as it and all lines
 before it are done; resumable (ids already in the output are skipped); bad lines become error records.
 
+One line's way through: `read_line` (its id and shape) -> `JobLine.request` (its kind and body) ->
+`RequestPipeline.prepare` (checked fields, prompt token ids) -> `Generation.submit` -> the engine's steps ->
+`records.success` (or `records.failure` for whatever the line raised on the way) -> `OrderedWriter.put`.
+
 Multi-host: every process reads the same job and runs the same engine loop; only process 0 writes.
 """
 
@@ -15,11 +19,13 @@ from pathlib import Path
 import numpy as np
 
 from jaxllama.batch import records
-from jaxllama.batch.jobs import JobLine, LineError, line_id, parse_line
+from jaxllama.batch.jobs import JobLine, read_line
 from jaxllama.batch.progress import Progress
+from jaxllama.batch.writer import OrderedWriter
 from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import broadcast_from_main
-from jaxllama.protocol.requests import submit_error
+from jaxllama.errors import DuplicateId
+from jaxllama.protocol.pipeline import PreparedRequest, RequestPipeline
 
 
 @dataclasses.dataclass
@@ -72,112 +78,104 @@ def run_job(
     """Run a job file with a loaded `LLM`. Returns (job statistics, summary dict)."""
     job = Path(job)
     output = Path(output) if output else default_output(job)
-    try:
-        lines = job.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise OSError(f"{job}: cannot read the job file ({e})") from None
+    lines = read_job(job)
     if overwrite and write and output.exists():
         output.unlink()
     done = completed_ids(output) if write else set()
-    # Only the writing process (process 0) reads the output; every process skips the lines it skips.
-    skip = _skipped_lines(lines, done)
-
     stats = JobStats()
+    todo = _lines_to_run(lines, done, stats)
+
     start = time.perf_counter()
     engine_stats_before = dataclasses.replace(llm.engine.stats)
-    todo: list[tuple[int, dict | None]] = []  # (line number, record if already known)
-    seen_ids = set()
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        stats.requests += 1
-        rid = line_id(raw, number)
-        if skip[number - 1]:
-            stats.skipped += 1
-            continue
-        if rid in seen_ids:
-            openai = '"custom_id"' in raw
-            todo.append(
-                (
-                    number,
-                    records.failure(
-                        LineError("duplicate_id", f"id {rid!r} is used by an earlier line", number), rid, openai
-                    ),
-                )
-            )
-            continue
-        seen_ids.add(rid)
-        todo.append((number, None))
-
+    pipeline = RequestPipeline(llm, defaults, tuple(stop), system_prompt, output_options=False)
     progress = Progress(total=len(todo), quiet=quiet, initial_skipped=stats.skipped)
-    out = open(output, "a", encoding="utf-8") if write else None
-    pending: dict[int, dict] = {}  # line number -> finished record, waiting for earlier lines
-    order = [number for number, _ in todo]
-    next_index = 0
-
-    def flush():
-        nonlocal next_index
-        while next_index < len(order) and order[next_index] in pending:
-            record = pending.pop(order[next_index])
-            if out:
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                out.flush()
-            next_index += 1
-
-    def finish(number, record, ok, result=None):
-        pending[number] = record
-        if ok:
-            stats.ok += 1
-            stats.prompt_tokens += result.prompt_tokens
-            stats.completion_tokens += len(result.token_ids)
-            stats.ttft_ms.append(result.timings.ttft_ms)
-        else:
-            stats.failed += 1
-        progress.update(ok=ok, tokens=len(result.token_ids) if result else 0)
-
-    jobs: dict[int, JobLine] = {}
     try:
-        for number, known in todo:
-            if known is not None:
-                finish(number, known, ok=False)
-                continue
-            raw = lines[number - 1]
-            try:
-                line = parse_line(raw, number, defaults, stop, system_prompt)
-                prompt = llm.encode_chat(line.messages) if line.kind == "chat" else llm.encode(line.prompt)
-                # Longest first (by max_tokens): the job's last requests are then short ones, and its tail of
-                # nearly empty decode steps is short (job256: 304 s against 340 in file order). Output stays in
-                # file order.
-                llm.generation.submit(number, prompt, line.params, line.stop, priority=line.params.max_tokens)
-                jobs[number] = line
-            except LineError as e:
-                finish(number, records.failure(e, line_id(raw, number), '"custom_id"' in raw), ok=False)
-            except ValueError as e:  # ChatTemplateError is a ValueError too
-                error = submit_error(e, line.kind)
-                error = LineError(error.code, error.message, number)
-                finish(number, records.failure(error, line_id(raw, number), '"custom_id"' in raw), ok=False)
-            flush()
-        model_name = llm.path.name if llm.path else "jaxllama"
-        while llm.generation.has_work():
-            for event in llm.generation.step():
-                if event.result is None:
-                    continue
-                line = jobs.pop(event.id)
-                finish(event.id, records.success(line, event.result, model_name), ok=True, result=event.result)
-            flush()
-        flush()
+        with OrderedWriter(output if write else None, [line.number for line, _ in todo]) as writer:
+            batch = _Batch(llm, pipeline, writer, stats, progress)
+            for line, duplicate in todo:
+                if duplicate is None:
+                    batch.submit(line)
+                else:
+                    batch.fail(line, duplicate)
+            batch.generate()
     finally:
-        if out:
-            out.close()
         progress.close()
     stats.wall_s = time.perf_counter() - start
     return stats, summary(stats, llm, engine_stats_before)
 
 
-def _skipped_lines(lines: list[str], done: set) -> np.ndarray:
+def read_job(job: Path) -> list[JobLine]:
+    """The job's lines (blank ones left out, the others keeping their line numbers)."""
+    try:
+        text = job.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise OSError(f"{job}: cannot read the job file ({e})") from None
+    return [read_line(raw, number) for number, raw in enumerate(text.splitlines(), start=1) if raw.strip()]
+
+
+def _lines_to_run(lines: list[JobLine], done: set, stats: JobStats) -> list[tuple[JobLine, DuplicateId | None]]:
+    """The lines not answered yet, each with the DuplicateId it fails with if an earlier line has its id. Counts
+    the job's requests and those skipped in `stats`."""
+    todo, seen = [], set()
+    for line, skip in zip(lines, _skipped_lines(lines, done), strict=True):
+        stats.requests += 1
+        if skip:
+            stats.skipped += 1
+            continue
+        duplicate = DuplicateId(f"id {line.id!r} is used by an earlier line") if line.id in seen else None
+        seen.add(line.id)
+        todo.append((line, duplicate))
+    return todo
+
+
+def _skipped_lines(lines: list[JobLine], done: set) -> np.ndarray:
     """Per line: already answered (its id in `done`), as process 0 sees it, on every process."""
-    skip = np.array([bool(raw.strip()) and line_id(raw, n) in done for n, raw in enumerate(lines, start=1)])
-    return broadcast_from_main(skip.astype(np.uint8)).astype(bool)
+    skip = np.array([line.id in done for line in lines], dtype=np.uint8)
+    return broadcast_from_main(skip).astype(bool)
+
+
+class _Batch:
+    """The job's requests on the engine: each line submitted or failed at once, then answered as the engine
+    finishes it; every record goes to the writer, and is counted in the statistics and the progress."""
+
+    def __init__(self, llm, pipeline: RequestPipeline, writer: OrderedWriter, stats: JobStats, progress: Progress):
+        self.llm, self.pipeline, self.writer, self.stats, self.progress = llm, pipeline, writer, stats, progress
+        self.running: dict[int, tuple[JobLine, PreparedRequest]] = {}  # by line number, the engine's request id
+
+    def submit(self, line: JobLine) -> None:
+        """Queue a line on the engine, or write its error record if it cannot run."""
+        try:
+            kind, body = line.request()
+            request = self.pipeline.prepare(body, kind)
+            # Longest first (by max_tokens): the job then ends with its short requests, rather than with a tail of
+            # decode steps that run a few long ones in nearly empty batches. Output stays in file order.
+            priority = request.params.max_tokens
+            self.llm.generation.submit(line.number, request.prompt, request.params, request.stop, priority=priority)
+        except ValueError as e:  # what the line, its encoding or the engine's checks found wrong with it
+            self.fail(line, e)
+            return
+        self.running[line.number] = (line, request)
+
+    def fail(self, line: JobLine, error: Exception) -> None:
+        self.writer.put(line.number, records.failure(line, error))
+        self.stats.failed += 1
+        self.progress.update(ok=False, tokens=0)
+
+    def generate(self) -> None:
+        """Step the engine until every submitted line is answered."""
+        model_name = self.llm.name
+        while self.llm.generation.has_work():
+            for event in self.llm.generation.step():
+                if event.result is None:
+                    continue
+                line, request = self.running.pop(event.id)
+                result = event.result
+                self.writer.put(line.number, records.success(line, request, result, model_name))
+                self.stats.ok += 1
+                self.stats.prompt_tokens += result.prompt_tokens
+                self.stats.completion_tokens += len(result.token_ids)
+                self.stats.ttft_ms.append(result.timings.ttft_ms)
+                self.progress.update(ok=True, tokens=len(result.token_ids))
 
 
 def summary(stats: JobStats, llm, before) -> dict:

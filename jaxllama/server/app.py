@@ -2,8 +2,13 @@
 
 POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events with "stream": true),
 GET /v1/models, GET /health, GET /metrics (Prometheus). Every request shares one engine, stepped by an
-`EngineWorker` thread; a client that goes away cancels its request. Errors use OpenAI's error object:
-400 for an invalid request, 429 when the queue is full, 503 when the engine is not running.
+`EngineWorker` thread; a client that goes away cancels its request. Errors use OpenAI's error object, with the
+code and status `jaxllama.protocol.errors` gives the failure's class: 400 for an invalid request, 429 when the
+queue is full, 503 when the engine is not running.
+
+One request's way through: `OpenAIHandlers.completion` -> `RequestPipeline.prepare` (checked fields, prompt token
+ids) -> `RequestStream` (the engine thread's queue) -> its events, collected into one answer or sent as they come
+(`_sse`); whatever it raises on the way is answered by `_refusal`.
 
     import uvicorn
     from jaxllama import LLM
@@ -25,21 +30,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxllama.engine.request import SamplingParams
+from jaxllama.errors import ClientClosed, EngineUnavailable, InvalidRequest, QueueFull
 from jaxllama.generation import Event, Result
-from jaxllama.protocol import responses
-from jaxllama.protocol.requests import OutputOptions, RequestError, output_options, parse_body, submit_error
+from jaxllama.protocol import errors, responses
+from jaxllama.protocol.pipeline import PreparedRequest, RequestPipeline
 from jaxllama.server.metrics import Metrics
-from jaxllama.server.worker import EngineUnavailable, EngineWorker, QueueFull, RequestStream
+from jaxllama.server.worker import EngineWorker, RequestStream
 
 JSONObject = Annotated[dict[str, Any], Body()]
 ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
-
-class _Failure(Exception):
-    """An error answer: HTTP status and OpenAI error object."""
-
-    def __init__(self, status: int, body: dict, headers: dict | None = None):
-        self.status, self.body, self.headers = status, body, headers
+# What a request can fail with before its answer starts: its body, its encoding or the engine's checks
+# (ValueErrors), a full queue, a stopped engine, a client gone.
+REFUSALS = (ValueError, QueueFull, EngineUnavailable, ClientClosed)
 
 
 def create_app(
@@ -56,11 +59,11 @@ def create_app(
     max_queue: requests waiting for a slot at most; beyond, 429.
     max_tokens: tokens per answer when a request does not say (default: up to the context limit).
     """
-    name = model_name or (llm.path.name if llm.path else "jaxllama")
-    defaults = SamplingParams(max_tokens=max_tokens or llm.engine.max_context)
     metrics = Metrics()
     worker = EngineWorker(llm.generation, slots=llm.engine.slots, max_queue=max_queue, metrics=metrics)
     metrics.watch_load(lambda: worker.running, lambda: worker.waiting)
+    pipeline = RequestPipeline(llm, SamplingParams(max_tokens=max_tokens or llm.engine.max_context))
+    handlers = OpenAIHandlers(llm, model_name or llm.name, pipeline, worker, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -71,107 +74,107 @@ def create_app(
             await asyncio.to_thread(worker.stop)
 
     app = FastAPI(title="jaxllama", summary="OpenAI-compatible API for Llama-family models in JAX", lifespan=lifespan)
-    app.state.llm, app.state.worker, app.state.metrics, app.state.model_name = llm, worker, metrics, name
+    app.state.llm, app.state.worker, app.state.metrics, app.state.model_name = llm, worker, metrics, handlers.name
+    app.post(ENDPOINTS["chat"])(handlers.chat_completions)
+    app.post(ENDPOINTS["completion"])(handlers.completions)
+    app.get("/v1/models")(handlers.models)
+    app.get("/health")(handlers.health)
+    app.get("/metrics")(handlers.prometheus)
     _install_error_handlers(app)
-    created = int(time.time())
+    return app
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: JSONObject) -> Response:
+
+class OpenAIHandlers:
+    """The endpoints' handlers, over one engine thread (`worker`) shared by every request."""
+
+    def __init__(self, llm, name: str, pipeline: RequestPipeline, worker: EngineWorker, metrics: Metrics):
+        self.llm, self.name, self.pipeline, self.worker, self.metrics = llm, name, pipeline, worker, metrics
+        self.created = int(time.time())
+
+    async def chat_completions(self, request: Request, body: JSONObject) -> Response:
         """Answer a conversation ("messages"), whole or streamed."""
-        return await _answer(request, body, "chat")
+        return await self.completion(request, body, "chat")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request, body: JSONObject) -> Response:
+    async def completions(self, request: Request, body: JSONObject) -> Response:
         """Continue a text ("prompt"), whole or streamed."""
-        return await _answer(request, body, "completion")
+        return await self.completion(request, body, "completion")
 
-    @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(self) -> dict:
         """The one model served."""
-        card = {"id": name, "object": "model", "created": created, "owned_by": "jaxllama"}
-        card["max_model_len"] = llm.engine.max_context
+        card = {"id": self.name, "object": "model", "created": self.created, "owned_by": "jaxllama"}
+        card["max_model_len"] = self.llm.engine.max_context
         return {"object": "list", "data": [card]}
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(self) -> JSONResponse:
         """200 while the engine thread runs, else 503 with the reason."""
+        worker = self.worker
         if worker.alive:
             return JSONResponse({"status": "ok", "running": worker.running, "waiting": worker.waiting})
         reason = repr(worker.error) if worker.error else "the engine is not running"
         return JSONResponse({"status": "unavailable", "error": reason}, status_code=503)
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(self) -> Response:
         """Prometheus metrics: requests, tokens, time to first token, inter-token latency, load."""
-        data, content_type = metrics.render()
+        data, content_type = self.metrics.render()
         return Response(data, media_type=content_type)
 
-    async def _answer(request: Request, body: dict, kind: str) -> Response:
-        endpoint = ENDPOINTS[kind]
+    async def completion(self, request: Request, body: dict, kind: str) -> Response:
+        """A chat or text completion: prepared, queued on the engine, then answered whole or streamed."""
         try:
-            response = await _generate(request, body, kind)
-        except _Failure as f:
-            metrics.requests.labels(endpoint, str(f.status)).inc()
-            return JSONResponse(f.body, status_code=f.status, headers=f.headers)
-        metrics.requests.labels(endpoint, str(response.status_code)).inc()
+            prepared = self.pipeline.prepare(body, kind)
+            stream = RequestStream(
+                self.worker, prepared.prompt, prepared.params, prepared.stop, prepared.options.logprobs
+            )
+            if prepared.options.stream:
+                first = await _unless_disconnected(request, stream.next(), stream)
+            else:
+                result = await _unless_disconnected(request, _collect(stream), stream)
+        except REFUSALS as e:
+            response = _refusal(e, kind)
+        else:
+            if prepared.options.stream:
+                events = _sse(stream, first, prepared, self.name, self.llm.tokenizer)
+                headers = {"Cache-Control": "no-cache"}
+                response = StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            else:
+                response = JSONResponse(self._answer(prepared, result))
+        self.metrics.requests.labels(ENDPOINTS[kind], str(response.status_code)).inc()
         return response
 
-    async def _generate(request: Request, body: dict, kind: str) -> Response:
-        try:
-            parsed = parse_body(body, kind, defaults)
-            options = output_options(body, kind)
-            prompt = llm.encode_chat(parsed.messages) if kind == "chat" else llm.encode(parsed.prompt)
-        except ValueError as e:
-            raise _invalid(submit_error(e, kind)) from None
-        try:
-            stream = RequestStream(worker, prompt, parsed.params, parsed.stop, options.logprobs)
-        except QueueFull as e:
-            raise _Failure(
-                429, responses.error(str(e), "queue_full", None, "rate_limit_error"), {"Retry-After": "1"}
-            ) from None
-        except EngineUnavailable as e:
-            raise _Failure(503, responses.error(str(e), "engine_unavailable", None, "server_error")) from None
-
-        disconnected = asyncio.ensure_future(_disconnected(request))
-        try:
-            if options.stream:
-                first = await _unless(disconnected, stream.next(), stream, kind)
-                events = _sse(stream, first, kind, name, options, llm.tokenizer)
-                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            result = await _unless(disconnected, _collect(stream), stream, kind)
-        finally:
-            disconnected.cancel()
+    def _answer(self, prepared: PreparedRequest, result: Result) -> dict:
         logprobs = None
         if result.logprobs is not None:
-            logprobs = _token_logprobs(kind, llm.tokenizer, result.token_ids, result.logprobs)
-        return JSONResponse(responses.completion(kind, result, name, logprobs=logprobs))
+            logprobs = _token_logprobs(prepared.kind, self.llm.tokenizer, result.token_ids, result.logprobs)
+        return responses.completion(prepared.kind, result, self.name, logprobs=logprobs)
 
-    return app
+
+def _refusal(error: Exception, kind: str) -> JSONResponse:
+    """The answer to a request that failed before its answer started."""
+    failure = errors.failure(error, kind)
+    headers = {"Retry-After": "1"} if isinstance(error, QueueFull) else None
+    return JSONResponse(failure.body(), status_code=failure.status, headers=headers)
+
+
+async def _unless_disconnected(request: Request, work, stream: RequestStream):
+    """Await `work` unless the client goes away first: then cancel the request and raise ClientClosed."""
+    disconnected = asyncio.ensure_future(_disconnected(request))
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnected.cancel()
+        if not task.done():  # the client went away, or the server is shutting down
+            task.cancel()
+            stream.cancel()
+    if not task.done():  # cancelled just now: the client is gone
+        raise ClientClosed("the client closed the connection")
+    return task.result()
 
 
 async def _disconnected(request: Request) -> None:
     """Return when the client has gone away (the request body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def _unless(disconnected: asyncio.Future, work, stream: RequestStream, kind: str):
-    """Await `work` unless the client goes away first (then cancel the request); engine errors become answers."""
-    task = asyncio.ensure_future(work)
-    try:
-        await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():  # the client went away, or the server is shutting down
-            task.cancel()
-            stream.cancel()
-    if not task.done():  # cancelled just now: the client is gone
-        raise _Failure(499, responses.error("the client closed the connection", "client_closed"))
-    try:
-        return task.result()
-    except ValueError as e:
-        raise _invalid(submit_error(e, kind)) from None
-    except EngineUnavailable as e:
-        raise _Failure(503, responses.error(str(e), "engine_unavailable", None, "server_error")) from None
 
 
 async def _collect(stream: RequestStream) -> Result:
@@ -190,54 +193,41 @@ def _token_logprobs(kind: str, tokenizer, token_ids, logprobs: list[float], offs
     return responses.text_logprobs(texts, logprobs, offset)
 
 
-async def _sse(stream: RequestStream, first: Event, kind: str, model: str, options: OutputOptions, tokenizer):
+async def _sse(stream: RequestStream, first: Event, prepared: PreparedRequest, model: str, tokenizer):
     """The server-sent events of a streamed answer: chunks, a finishing chunk, the usage chunk if asked, [DONE]."""
+    kind, usage = prepared.kind, prepared.options.include_usage
     rid, created = responses.new_id(kind), int(time.time())
-    usage = options.include_usage
 
     def data(obj: dict) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
+    def chunk(text, **fields) -> str:
+        return data(responses.chunk(kind, rid, created, model, text, include_usage=usage, **fields))
+
     try:
         if kind == "chat":
-            yield data(responses.chunk(kind, rid, created, model, "", role=True, include_usage=usage))
+            yield chunk("", role=True)
         event, offset = first, 0
         while True:
             logprobs = None
             if event.logprobs is not None and event.token_ids:
                 logprobs = _token_logprobs(kind, tokenizer, event.token_ids, event.logprobs, offset)
             if event.delta or logprobs:
-                yield data(
-                    responses.chunk(kind, rid, created, model, event.delta, logprobs=logprobs, include_usage=usage)
-                )
+                yield chunk(event.delta, logprobs=logprobs)
             offset += len(event.delta)
             if event.result is not None:
                 r = event.result
-                yield data(
-                    responses.chunk(
-                        kind,
-                        rid,
-                        created,
-                        model,
-                        None if kind == "chat" else "",
-                        finish_reason=r.finish_reason,
-                        stop_reason=r.stop_reason,
-                        include_usage=usage,
-                    )
-                )
+                end = None if kind == "chat" else ""
+                yield chunk(end, finish_reason=r.finish_reason, stop_reason=r.stop_reason)
                 if usage:
                     yield data(responses.usage_chunk(kind, rid, created, model, r))
                 break
             event = await stream.next()
         yield "data: [DONE]\n\n"
     except EngineUnavailable as e:
-        yield data(responses.error(str(e), "engine_unavailable", None, "server_error"))
+        yield data(errors.failure(e, kind).body())
     finally:
         stream.cancel()  # the client went away mid-stream: free the slot
-
-
-def _invalid(e: RequestError) -> _Failure:
-    return _Failure(400, responses.error(e.message, e.code, e.param))
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -251,16 +241,17 @@ def _install_error_handlers(app: FastAPI) -> None:
             param = param or (loc[-1] if loc else None)
             where = ".".join(loc) or "body"
             parts.append(f"{where}: {err.get('msg', 'invalid')}")
-        message = "; ".join(parts) or "invalid request"
-        return JSONResponse(responses.error(message, "invalid_request", param), status_code=400)
+        failure = errors.failure(InvalidRequest("; ".join(parts) or "invalid request", param))
+        return JSONResponse(failure.body(), status_code=failure.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own answers (404, 405): their status stands as the code.
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         body = responses.error(str(exc.detail), str(exc.status_code), None, kind)
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> JSONResponse:
-        body = responses.error(f"internal error: {exc!r}", "internal_error", None, "server_error")
-        return JSONResponse(body, status_code=500)
+        failure = errors.internal_failure(exc)
+        return JSONResponse(failure.body(), status_code=failure.status)

@@ -21,15 +21,10 @@ import time
 from collections.abc import Callable
 
 from jaxllama.engine.request import SamplingParams
+from jaxllama.errors import EngineUnavailable, QueueFull
 from jaxllama.generation import Event, Generation
 
-
-class QueueFull(Exception):
-    """Every slot is busy and `max_queue` requests are already waiting."""
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine thread is not running: stopped, or failed (the message says why)."""
+__all__ = ["EngineUnavailable", "EngineWorker", "QueueFull", "RequestStream"]
 
 
 @dataclasses.dataclass

@@ -4,11 +4,14 @@ usage, log-probabilities, and the errors it raises for bad requests. The oracle 
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
 
-from tests.server.conftest import CHAT, CONTEXT, MODEL_NAME, PROMPT
+from jaxllama.engine.request import SamplingParams
+from tests.server.conftest import CHAT, CONTEXT, MODEL_NAME, PROMPT, SLOTS
 
 
 def test_chat_completion_matches_the_python_api(live, reference):
@@ -192,3 +195,43 @@ def test_bodies_fastapi_rejects_are_400_with_the_openai_error_object(live, conte
 def test_unknown_path_is_404_with_the_openai_error_object(live):
     r = httpx.get(f"{live.url}/v1/embeddings", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
+
+
+BAD_BODIES = [
+    ("chat", {"messages": CHAT, "top_p": 1.5}),
+    ("chat", {"messages": CHAT, "n": 2}),
+    ("chat", {"messages": [{"role": "robot", "content": "beep"}]}),
+    ("chat", {"messages": [{"role": "user", "content": "the " * 300}]}),
+    ("chat", {"messages": CHAT, "stop_token_ids": [10**12]}),
+    ("completion", {"prompt": "the " * 300}),
+    ("completion", {"prompt": [1, 2, 3]}),
+    ("completion", {"prompt": PROMPT, "max_tokens": 0}),
+]
+
+
+def test_a_job_line_and_a_request_with_the_same_bad_body_get_the_same_code(live, tiny_chat_checkpoint, tmp_path):
+    """`jaxllama run` and `jaxllama serve` read bodies through one pipeline and answer failures through one table:
+    the same bad body gets the same code from both, on a plain job line and on an OpenAI Batch line."""
+    from jaxllama.batch.runner import run_job
+    from jaxllama.llm import LLM
+
+    served = []
+    for kind, body in BAD_BODIES:
+        url = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        r = httpx.post(f"{live.url}{url}", json=body, timeout=30)
+        assert r.status_code == 400
+        served.append(r.json()["error"]["code"])
+    assert len(set(served)) >= 3  # the bodies fail in different ways
+
+    lines = []
+    for i, (kind, body) in enumerate(BAD_BODIES):
+        url = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        lines += [{"id": f"p{i}", **body}, {"custom_id": f"o{i}", "method": "POST", "url": url, "body": body}]
+    job = tmp_path / "job.jsonl"
+    job.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    llm = LLM.load(tiny_chat_checkpoint, max_slots=SLOTS, max_context=CONTEXT, compilation_cache=False)
+    stats, _ = run_job(llm, job, defaults=SamplingParams(max_tokens=4), stop=[], quiet=True)
+    assert stats.failed == len(lines)
+    records = [json.loads(line) for line in (tmp_path / "job.out.jsonl").read_text().splitlines()]
+    codes = [r["response"]["body"]["error"]["code"] if "custom_id" in r else r["error"]["code"] for r in records]
+    assert codes == [code for code in served for _ in range(2)]

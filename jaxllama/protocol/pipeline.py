@@ -1,0 +1,67 @@
+"""One path from an OpenAI request body to what the engine runs, for `jaxllama run` and `jaxllama serve` alike:
+body -> checked fields (`requests.parse_body`, `requests.output_options`) -> prompt token ids (the model's
+tokenizer and chat template) -> a `PreparedRequest`, which the caller submits to the engine.
+
+Each step raises a `jaxllama.errors` class when the request is bad; the caller answers it through
+`jaxllama.protocol.errors`, the same way whichever front end read the body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from jaxllama.engine.request import SamplingParams
+from jaxllama.protocol.requests import OutputOptions, output_options, parse_body
+
+
+class Encoder(Protocol):
+    """Text to prompt token ids: what `jaxllama.LLM` provides."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: list[dict]) -> list[int]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedRequest:
+    """A valid request, ready for the engine."""
+
+    kind: str  # "chat" | "completion"
+    prompt: list[int]  # token ids
+    params: SamplingParams
+    stop: list[str]
+    options: OutputOptions
+    model: str | None = None  # the body's "model", if it is a string
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestPipeline:
+    """What a front end fixes for all its requests: the encoder, the sampling defaults and stop strings a body's
+    fields override, a system prompt for conversations without one, and whether the delivery fields ("stream",
+    "logprobs") are read: the server reads them; job lines are answered whole, and ignore them."""
+
+    encoder: Encoder
+    defaults: SamplingParams
+    stop: tuple[str, ...] = ()
+    system_prompt: str | None = None
+    output_options: bool = True
+
+    def prepare(self, body: dict, kind: str) -> PreparedRequest:
+        """Check `body` (a "chat" or "completion" request) and encode its prompt. Raises a RequestError: the
+        body's fields are bad (InvalidRequest, InvalidParameter, InvalidMessages) or the chat template failed on
+        its conversation (TemplateError)."""
+        parsed = parse_body(body, kind, self.defaults, list(self.stop))
+        options = output_options(body, kind) if self.output_options else OutputOptions()
+        if kind == "chat":
+            prompt = self.encoder.encode_chat(with_system_prompt(parsed.messages, self.system_prompt))
+        else:
+            prompt = self.encoder.encode(parsed.prompt)
+        return PreparedRequest(kind, prompt, parsed.params, parsed.stop, options, parsed.model)
+
+
+def with_system_prompt(messages: list[dict], system_prompt: str | None) -> list[dict]:
+    """The conversation with `system_prompt` as its first message, unless it starts with a system message."""
+    if system_prompt and messages[0]["role"] != "system":
+        return [{"role": "system", "content": system_prompt}, *messages]
+    return messages
