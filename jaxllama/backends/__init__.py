@@ -20,6 +20,7 @@ from jaxllama.core.ops import XLA, Ops
 
 __all__ = ["QUANTIZATIONS", "check_quantization", "choose"]
 
+
 def choose(mesh: Mesh, params, kernel_dir: Path, *, cpu_kernels: bool = True, quantize: str | None = None) -> Ops:
     """The operations to run params on mesh with: the CPU kernels (built into `kernel_dir` once per machine) on one
     CPU device with float32 weights unless `cpu_kernels` is False or `JAXLLAMA_CPU_KERNELS=0`, else XLA's.

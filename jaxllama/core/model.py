@@ -148,9 +148,7 @@ def embed(params, tokens):
     return jnp.take(params["embedding"], tokens, axis=0)
 
 
-def layers(
-    layer_params: list, c: ModelConfig, x, positions, cache: KVCache, rows=None, rope=None, ops: Ops = XLA
-):
+def layers(layer_params: list, c: ModelConfig, x, positions, cache: KVCache, rows=None, rope=None, ops: Ops = XLA):
     """Consecutive decoder layers (their params and caches in order): x -> (x, cache). The engine runs a
     model as a few of these programs in turn (see `engine/step.py`); `rope`: the positions' `rope_angles`, if
     computed already; `ops`: the backend's operations (their params prepared by `ops.prepare`)."""
@@ -177,10 +175,10 @@ def layer_params(params, c: ModelConfig, start: int = 0, stop: int | None = None
     return [params[f"layers_{i}"] for i in range(start, c.n_layers if stop is None else stop)]
 
 
-def llama(params, c: ModelConfig, tokens, positions, cache: KVCache, logits_at=None, rows=None):
+def llama(params, c: ModelConfig, tokens, positions, cache: KVCache, logits_at=None, rows=None, ops: Ops = XLA):
     """tokens [b, t], positions [b, t], cache -> (logits float32, cache); see `Llama`."""
-    x, cache = layers(layer_params(params, c), c, embed(params, tokens), positions, cache, rows)
-    return head(params, c, x, logits_at), cache
+    x, cache = layers(layer_params(params, c), c, embed(params, tokens), positions, cache, rows, ops=ops)
+    return head(params, c, x, logits_at, ops), cache
 
 
 # ---- the declarations: every parameter's shape, initializer and logical axes ------------------------
@@ -268,15 +266,16 @@ def empty_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.float32)
     return [(jnp.zeros(k, dtype), jnp.zeros(v, dtype)) for _ in range(config.n_layers)]
 
 
-def forward(params, config: ModelConfig, tokens, positions, cache: KVCache, logits_at=None, rows=None):
+def forward(params, config: ModelConfig, tokens, positions, cache: KVCache, logits_at=None, rows=None, ops: Ops = XLA):
     """The pure forward function: usable inside a caller's own `jax.jit`. `rows` [b] (optional): the cache
-    row each batch row reads and writes, when the cache holds more rows than the batch (see `attention`)."""
-    return llama(params, config, tokens, positions, cache, logits_at, rows)
+    row each batch row reads and writes, when the cache holds more rows than the batch (see `attention`). `ops`: the
+    operations params were prepared for (`Ops.prepare`)."""
+    return llama(params, config, tokens, positions, cache, logits_at, rows, ops)
 
 
-def sequence_logits(params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+def sequence_logits(params, config: ModelConfig, tokens: jax.Array, ops: Ops = XLA) -> jax.Array:
     """Logits [b, t, vocab] (float32) of whole sequences tokens [b, t], each starting at position 0."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    cache = empty_cache(config, b, t, jax.tree.leaves(params)[0].dtype)
-    return forward(params, config, tokens, positions, cache)[0]
+    cache = empty_cache(config, b, t, params["embedding"].dtype)
+    return forward(params, config, tokens, positions, cache, ops=ops)[0]

@@ -59,6 +59,7 @@ class Device:
         cache_dtype,
         min_cache: int,
         stats: EngineStats,
+        donate_params: bool = False,
     ):
         if len(eos_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} end-of-generation ids, got {len(eos_ids)}")
@@ -75,12 +76,21 @@ class Device:
         platform = mesh.devices.flat[0].platform
         one_device = mesh.size == 1 and jax.process_count() == 1 and platform == jax.default_backend()
         self.programs = Programs(ops, stats, keep_exported=one_device)
-        # The params outside the layers (embedding, final norm, output), and the layers' in runs of
-        # `layers_per_program`, each prepared for the backend as it is split off.
+        # The weights as the backend's products read them (`params`), prepared a run of `layers_per_program` layers
+        # at a time, and the params outside the layers (embedding, final norm, output): with `donate_params`, each
+        # part's weights that preparing replaced are freed before the next part is prepared, so that the two copies
+        # of the model never coexist.
         n = config.n_layers
         self._runs = [(a, min(a + layers_per_program, n)) for a in range(0, n, layers_per_program)]
-        self._outer = ops.prepare({k: v for k, v in params.items() if not k.startswith("layers_")}, config)
-        self._run_params = [ops.prepare(layer_params(params, config, a, b), config) for a, b in self._runs]
+        self._run_params = []
+        for a, b in self._runs:
+            self._run_params.append(_prepare(ops, layer_params(params, config, a, b), config, donate_params))
+        self._outer = _prepare(
+            ops, {k: v for k, v in params.items() if not k.startswith("layers_")}, config, donate_params
+        )
+        self.params = dict(self._outer)
+        for (a, _), run in zip(self._runs, self._run_params, strict=True):
+            self.params |= {f"layers_{a + i}": p for i, p in enumerate(run)}
         self.state = self._initial_state()
         self.cache = kvcache.allocate(config, mesh, slots, buckets.bucket(min_cache, max_context), cache_dtype)
 
@@ -259,6 +269,17 @@ class _PrefillBatch:
             for i, r in enumerate(rows):
                 a["seen"][i, r.request.prompt] = True
         return _PrefillBatch(a, flags, span, fresh)
+
+
+def _prepare(ops: Ops, params, config: ModelConfig, donate: bool):
+    """`ops.prepare(params)`; with `donate`, the arrays of params that the prepared tree does not hold are deleted."""
+    prepared = ops.prepare(params, config)
+    if donate:
+        kept = {id(x) for x in jax.tree.leaves(prepared)}
+        for x in jax.tree.leaves(params):
+            if id(x) not in kept and isinstance(x, jax.Array):
+                x.delete()
+    return prepared
 
 
 def _global(x: np.ndarray, sharding: NamedSharding) -> jax.Array:

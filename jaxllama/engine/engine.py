@@ -41,7 +41,9 @@ class Engine(Scheduler):
     `cpu_kernels`: on one CPU device with float32 weights, run the CPU kernels where they build (else XLA's
     operations everywhere); `quantize` (one of `backends.QUANTIZATIONS`) needs them. `kv_cache_dtype`: the cache's
     dtype by name (default: the weights'). `decode_steps`: tokens per decode call (no host round trip between
-    them). `min_cache`: the cache's first length in positions."""
+    them). `min_cache`: the cache's first length in positions. The weights the engine runs are `self.params`:
+    `params` prepared for the backend's products (packed or quantized for the CPU kernels); `donate_params`: the
+    engine may free the given weights that preparing replaced (the caller will not use them again)."""
 
     def __init__(
         self,
@@ -58,11 +60,12 @@ class Engine(Scheduler):
         cpu_kernels: bool = True,
         quantize: str | None = None,
         kv_cache_dtype: str | None = None,
+        donate_params: bool = False,
     ):
         check_options(quantize, kv_cache_dtype)
         if not isinstance(layers_per_program, int) or layers_per_program < 1:
             raise ValueError(f"layers_per_program={layers_per_program!r}: must be a positive integer")
-        self.config, self.params, self.mesh = config, params, mesh
+        self.config, self.mesh = config, mesh
         stats = EngineStats()
         start = time.perf_counter()  # building the CPU kernels (once per machine) counts as compilation
         self.ops = backends.choose(mesh, params, cache_dir() / "kernels", cpu_kernels=cpu_kernels, quantize=quantize)
@@ -81,5 +84,7 @@ class Engine(Scheduler):
             cache_dtype=kvcache.dtype(kv_cache_dtype, jax.tree.leaves(params)[0].dtype),
             min_cache=min_cache,
             stats=stats,
+            donate_params=donate_params,
         )
         super().__init__(device, stats)
+        self.params = device.params

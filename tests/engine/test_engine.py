@@ -207,3 +207,24 @@ def test_cancel_frees_the_slot(tiny, expected):
     tokens, finals = run(engine, [])
     assert finals["long"].finish_reason == "cancelled"
     assert {r.id: tokens[r.id] for r in rest} == {r.id: expected[r.id] for r in rest}
+
+
+def test_donated_weights_are_replaced_by_the_prepared_ones(tiny, expected):
+    """With `donate_params`, the engine keeps one copy of the model: the weights its backend prepared (on the CPU
+    kernels, packed: the products' float32 arrays are freed), and `engine.params` runs the plain forward pass with
+    `engine.ops` to the same tokens."""
+    config, params = tiny
+    mine = jax.tree.map(jnp.copy, params)  # the fixture's own arrays stay alive for the other tests
+    mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
+    engine = Engine(config, mine, mesh, eos_ids=[EOS], max_slots=4, donate_params=True)
+    assert run(engine, greedy_requests())[0] == expected
+    leaves = jax.tree.leaves(mine)
+    replaced = [x for x in leaves if x.is_deleted()]
+    if engine.ops.prepare(params, config) is params:  # XLA's ops read the weights as they are: nothing replaced
+        assert not replaced and engine.params is mine
+    else:
+        assert len(replaced) == 7 * config.n_layers + (0 if config.tie_embeddings else 1)  # every product's weight
+        assert not mine["layers_0"]["attention_norm"]["scale"].is_deleted()  # kept as it is: not a product
+        tokens = jnp.asarray([greedy_requests()[0].prompt])
+        prepared = sequence_logits(engine.params, config, tokens, engine.ops)
+        np.testing.assert_allclose(prepared, _forward(params, config, tokens), rtol=1e-4, atol=1e-4)

@@ -36,11 +36,13 @@ class CpuOps(Ops):
         matmul.check_quantization(self.quantize)
 
     def prepare(self, params, config) -> dict:
+        """Weights already packed stay as they are (params prepared by another CpuOps may be prepared again)."""
         packed = _pack(params)
-        if isinstance(packed, dict) and config.tie_embeddings and "embedding" in packed:
+        if isinstance(packed, dict) and config.tie_embeddings and "embedding" in packed and "output" not in packed:
             packed["output"] = matmul.pack(packed["embedding"])
         if self.quantize:
-            to_int8 = lambda w: matmul.quantize(w, self.quantize) if isinstance(w, matmul.Packed) else w
+            unquantized = lambda w: isinstance(w, matmul.Packed) and w.scales is None
+            to_int8 = lambda w: matmul.quantize(w, self.quantize) if unquantized(w) else w
             packed = jax.tree.map(to_int8, packed, is_leaf=lambda w: isinstance(w, matmul.Packed))
         return packed
 
