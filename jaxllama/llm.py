@@ -22,12 +22,10 @@ from jaxllama.core.checkpoint import load_checkpoint
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import forward, sequence_logits
 from jaxllama.core.sharding import make_mesh
-from jaxllama.engine import kvcache
-from jaxllama.engine.engine import DEFAULT_SLOTS, Engine
+from jaxllama.engine.engine import DEFAULT_SLOTS, Engine, check_options
 from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import enable_compilation_cache
 from jaxllama.generation import Generation, Result
-from jaxllama.kernels.matmul import check_quantization
 from jaxllama.protocol.requests import SAMPLING_FIELDS, sampling_params
 from jaxllama.text.chat_template import ChatTemplate, encode_chat
 from jaxllama.text.conversation import validate_messages
@@ -53,8 +51,9 @@ class LLM:
         quantize: str | None = None,
         kv_cache_dtype: str | None = None,
         path: Path | None = None,
+        donate_params: bool = False,
     ):
-        self.config, self.params, self.mesh = config, params, mesh
+        self.config, self.mesh = config, mesh
         self.tokenizer, self.template, self.eos_ids = tokenizer, template, frozenset(eos_ids)
         self.path = path
         self.engine = Engine(
@@ -67,7 +66,9 @@ class LLM:
             decode_steps=decode_steps or _default_decode_steps(),
             quantize=quantize,
             kv_cache_dtype=kv_cache_dtype,
+            donate_params=donate_params,
         )
+        self.params = self.engine.params  # the weights the engine runs: prepared for its backend, no other copy
         self.generation = Generation(self.engine, tokenizer)
         self._next_id = 0
 
@@ -93,12 +94,11 @@ class LLM:
         checkpoint's. `eos_ids` replaces the end-of-generation set; `extra_eos_ids` extends it. `quantize`:
         generate with int8 weights in blocks of 32 (llama.cpp's Q8_0), on one CPU device: 'q8_0' multiplies them by
         the inputs in int16, 'w8a8' by the inputs in int8 (as llama.cpp does; fastest on CPUs with AVX-512 VNNI);
-        `logits` and `forward` keep the checkpoint's weights. `kv_cache_dtype`: 'float16' or 'bfloat16' keeps the
+        `logits` and `forward` run on the same weights. `kv_cache_dtype`: 'float16' or 'bfloat16' keeps the
         KV cache in 16 bits (half the bytes attention reads), 'float32', or None for the weights' dtype."""
         from jaxllama.default_model import resolve_model
 
-        check_quantization(quantize)  # before a long load
-        kvcache.dtype(kv_cache_dtype, None)  # likewise: raises ValueError for an unknown name
+        check_options(quantize, kv_cache_dtype)  # before a long load
         if compilation_cache:
             enable_compilation_cache()
         path = resolve_model(path)
@@ -127,6 +127,7 @@ class LLM:
             quantize=quantize,
             kv_cache_dtype=kv_cache_dtype,
             path=Path(path),
+            donate_params=True,  # restored here for this LLM alone
         )
 
     @property
@@ -139,8 +140,9 @@ class LLM:
     @property
     def forward(self):
         """The pure forward function `(params, tokens [b, t], positions [b, t], cache) -> (logits, cache)`,
-        for use inside your own `jax.jit` (see `jaxllama.core.model.forward`)."""
-        return functools.partial(forward, config=self.config)
+        for use inside your own `jax.jit` (see `jaxllama.core.model.forward`), with the operations `llm.params`
+        are prepared for."""
+        return functools.partial(forward, config=self.config, ops=self.engine.ops)
 
     def logits(self, token_ids: Sequence[Sequence[int]]) -> np.ndarray:
         """Logits [batch, time, vocab] (float32) of token id lists of any lengths; rows are right-padded,
@@ -151,7 +153,7 @@ class LLM:
         for i, t in enumerate(token_ids):
             tokens[i, : len(t)] = t
         replicated = NamedSharding(self.mesh, PartitionSpec())  # every process can read all of it
-        out = np.array(_sequence_logits(self.params, self.config, jnp.asarray(tokens), replicated))
+        out = np.array(_sequence_logits(self.params, self.config, jnp.asarray(tokens), replicated, self.engine.ops))
         for i, n in enumerate(lengths):
             out[i, n:] = np.nan
         return out
@@ -266,9 +268,9 @@ def _default_decode_steps() -> int:
     return 1 if jax.default_backend() == "cpu" else 8
 
 
-@functools.partial(jax.jit, static_argnums=(1, 3))
-def _sequence_logits(params, config, tokens, out_sharding):
-    return jax.lax.with_sharding_constraint(sequence_logits(params, config, tokens), out_sharding)
+@functools.partial(jax.jit, static_argnums=(1, 3, 4))
+def _sequence_logits(params, config, tokens, out_sharding, ops):
+    return jax.lax.with_sharding_constraint(sequence_logits(params, config, tokens, ops), out_sharding)
 
 
 __all__ = ["LLM", "Result"]
