@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from jaxllama.errors import InvalidParameter
+
 
 @dataclass(frozen=True)
 class StopMatch:
@@ -34,12 +36,12 @@ class StopMatcher:
 
     def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
         if isinstance(stops, str):
-            raise ValueError(f"stops must be a sequence of strings, not the string {stops!r}")
+            raise InvalidParameter(f"stop: must be a list of strings, not the string {stops!r}", "stop")
         for stop in stops:
             if not isinstance(stop, str):
-                raise ValueError(f"stop strings must be strings, got {stop!r}")
+                raise InvalidParameter(f"stop: stop strings must be strings, got {stop!r}", "stop")
             if not stop:
-                raise ValueError("stop strings must not be empty")
+                raise InvalidParameter("stop: stop strings must not be empty", "stop")
         self.stops: tuple[str, ...] = tuple(dict.fromkeys(stops))
         self.include_stop = include_stop
 

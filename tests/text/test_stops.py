@@ -90,7 +90,7 @@ def test_empty_stop_strings_are_rejected(stops: list[str]) -> None:
 
 
 def test_a_bare_string_or_non_strings_are_rejected() -> None:
-    with pytest.raises(ValueError, match="sequence of strings"):
+    with pytest.raises(ValueError, match="list of strings"):
         StopMatcher("\n")
     with pytest.raises(ValueError, match="must be strings"):
         StopMatcher([3])  # type: ignore[list-item]
