@@ -78,6 +78,7 @@ def run(
     quantize: str | None = None,
     kv_cache_dtype: str | None = None,
     overwrite: bool = False,
+    no_retry_errors: bool = False,
     stats_file: str | None = None,
     quiet: bool = False,
     coordinator: str | None = None,
@@ -86,9 +87,12 @@ def run(
 ):
     """Run a JSONL job: one request per line (chat "messages", plain "prompt", or OpenAI Batch API lines).
 
-    Writes one line per input line, in order, to OUTPUT (default: JOB.out.jsonl beside the job). Running the
-    same command again skips requests already done; --overwrite starts over. Per-line parameters override
-    the options below. Exit status 1 when any line failed.
+    Writes one line per input line, in order, to OUTPUT (default: JOB.out.jsonl beside the job), keeping each
+    finished line at once in OUTPUT.journal. Running the same command again (after a kill or Ctrl-C, or to
+    retry failed lines) resumes: lines already answered are kept, lines whose record is an error run again; it is
+    refused if the settings differ from those OUTPUT was written with; --overwrite starts over. Per-line
+    parameters override the options below. Exit status 1 when any line of the job has an error record, 130 when
+    interrupted.
 
     Args:
       job: the JSONL job file.
@@ -112,6 +116,7 @@ def run(
         inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512 VNNI).
       kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits; auto (default): the weights' dtype.
       overwrite: start over instead of resuming.
+      no_retry_errors: on resume, keep the error records of failed lines instead of running them again.
       stats_file: also write the summary statistics as JSON here.
       quiet: no progress or summary on stderr.
       coordinator: multi-host: HOST:PORT of process 0 (or JAX_COORDINATOR_ADDRESS).
@@ -120,7 +125,8 @@ def run(
     """
     from pathlib import Path
 
-    from jaxllama.batch.runner import default_output, print_summary, run_job
+    from jaxllama.batch.runner import JobInterrupted, default_output, print_summary, run_job
+    from jaxllama.batch.settings import SettingsChanged, check_settings, job_settings
     from jaxllama.engine.runtime import is_main_process
     from jaxllama.protocol.requests import sampling_params
 
@@ -130,6 +136,11 @@ def run(
     try:
         flags = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
         defaults = sampling_params(flags, SamplingParams())  # checked as a job line's fields are
+        options = dict(chat_template=chat_template, eos_id=_as_list(eos_id, int), quantize=quantize)
+        options.update(kv_cache_dtype=kv_cache_dtype, max_context=max_context)
+        settings = job_settings(model, defaults, _as_list(stop), system_prompt, **options)
+        if not overwrite:  # before the model loads: a resume with other settings is refused at once
+            check_settings(Path(output) if output else default_output(job_path), settings)
         llm = _common_setup(
             model,
             mesh,
@@ -158,16 +169,21 @@ def run(
             overwrite=overwrite,
             quiet=quiet or not main,
             write=main,
+            retry_errors=not no_retry_errors,
+            settings=settings,
         )
-    except OSError as e:
+    except (OSError, SettingsChanged) as e:
         _fail(str(e))
+    except JobInterrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        sys.exit(130)
     if main:
         if not quiet:
             print_summary(summary)
             print(f"wrote {output or default_output(job_path)}", file=sys.stderr)
         if stats_file:
             Path(stats_file).write_text(json.dumps(summary, indent=2) + "\n")
-    if stats.failed:
+    if stats.has_errors:
         sys.exit(1)
 
 

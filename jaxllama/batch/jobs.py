@@ -1,12 +1,16 @@
 """Reading job lines. Each line is read once into a `JobLine`, which knows its id and its shape (a plain line, or
 an OpenAI Batch API line to be answered in that API's output shape) even when the rest of the line is bad, so that
 its output record, answer or error, carries the right id in the right shape. `JobLine.request` then gives its
-kind and request body, or raises the `jaxllama.errors` class of what is wrong with it."""
+kind and request body, or raises the `jaxllama.errors` class of what is wrong with it.
+
+Whatever a line holds (bytes that are not UTF-8, JSON nested past Python's recursion limit, a lone surrogate
+escape), reading it never raises: one bad line costs that line only, in this run and in every rerun."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 from jaxllama.errors import InvalidJSON, InvalidRequest, UnsupportedEndpoint
@@ -22,16 +26,44 @@ class JobLine:
     id: str | int  # "id", or the OpenAI "custom_id", or else the line number
     openai: bool  # an OpenAI Batch API line: answered in its output shape
     obj: Any = None  # the line's JSON value
-    json_error: str | None = None  # why the line is not JSON
+    problem: InvalidRequest | None = None  # why the line cannot be read (not UTF-8, not JSON, not Unicode text)
 
     def request(self) -> tuple[str, dict]:
         """The line's kind ("chat" | "completion") and request body. Raises InvalidJSON, InvalidRequest or
         UnsupportedEndpoint."""
-        if self.json_error is not None:
-            raise InvalidJSON(f"not valid JSON ({self.json_error})")
+        if self.problem is not None:
+            raise self.problem
         if not isinstance(self.obj, dict):
             raise InvalidRequest(f"expected a JSON object, got {type(self.obj).__name__}")
         return _openai_request(self.obj) if self.openai else _plain_request(self.obj)
+
+
+def read_job(job: Path) -> list[JobLine]:
+    """The job's lines (blank ones left out, the others keeping their line numbers). Raises OSError if the file
+    cannot be read; what is in it never fails more than the lines it is in."""
+    try:
+        data = job.read_bytes()
+    except OSError as e:
+        raise OSError(f"{job}: cannot read the job file ({e})") from None
+    return [line for number, raw in enumerate(split_lines(data), start=1) if (line := read_bytes(raw, number))]
+
+
+def split_lines(data: bytes) -> list[bytes]:
+    """JSONL lines: they end at "\\n" only (U+2028, U+2029, U+0085 and a bare CR are legal inside JSON strings);
+    a "\\r" before the "\\n" and a UTF-8 byte order mark at the start are no part of a line."""
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    return [raw[:-1] if raw.endswith(b"\r") else raw for raw in data.split(b"\n")]
+
+
+def read_bytes(raw: bytes, number: int) -> JobLine | None:
+    """Read one line of a job from its bytes; None for a blank line. Never raises."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        problem = InvalidJSON(f"not valid UTF-8 (byte {e.start + 1} of the line: {raw[e.start : e.start + 1]!r})")
+        return JobLine(number, number, b'"custom_id"' in raw, problem=problem)
+    return read_line(text, number) if text.strip() else None
 
 
 def read_line(raw: str, number: int) -> JobLine:
@@ -42,13 +74,36 @@ def read_line(raw: str, number: int) -> JobLine:
     Without a usable id (a string or an integer), the line number stands for it."""
     try:
         obj = json.loads(raw)
-    except ValueError as e:
-        return JobLine(number, number, '"custom_id"' in raw, json_error=str(e))
+    except (ValueError, RecursionError) as e:  # RecursionError: arrays or objects nested too deep
+        return JobLine(number, number, '"custom_id"' in raw, problem=InvalidJSON(f"not valid JSON ({e})"))
     openai = isinstance(obj, dict) and ("custom_id" in obj or "body" in obj)
     rid = obj.get("custom_id" if openai else "id") if isinstance(obj, dict) else None
     if isinstance(rid, bool) or not isinstance(rid, (str, int)):
         rid = number
+    surrogate = _lone_surrogate(obj) if "\\u" in raw else None  # only an escape can make one
+    if surrogate is not None:
+        problem = InvalidJSON(f"a string holds {surrogate!r}, a lone surrogate escape, which is not Unicode text")
+        return JobLine(number, rid, openai, problem=problem)
     return JobLine(number, rid, openai, obj)
+
+
+def _lone_surrogate(obj: Any) -> str | None:
+    """The first lone surrogate in the strings of a JSON value (keys too), or None. Python's json reads "\\udc00"
+    into a str that the tokenizer and the UTF-8 output cannot take. Iterative: the value may be deeply nested."""
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return value[e.start]
+        elif isinstance(value, dict):
+            stack.extend(value)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return None
 
 
 def _openai_request(obj: dict) -> tuple[str, dict]:

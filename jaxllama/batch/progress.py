@@ -11,15 +11,16 @@ PLAIN_EVERY_S = 10.0
 
 
 class Progress:
-    def __init__(self, total: int, quiet: bool = False, initial_skipped: int = 0, file=None):
+    def __init__(self, total: int, quiet: bool = False, initial_skipped: int = 0, retried: int = 0, file=None):
         self.file = file or sys.stderr
         self.total, self.quiet = total, quiet
         self.done = self.errors = self.tokens = 0
         self.start = self.last_plain = time.perf_counter()
         self.tty = hasattr(self.file, "isatty") and self.file.isatty()
         self.bar = None
-        if initial_skipped and not quiet:
-            print(f"resuming: {initial_skipped} requests already done", file=self.file, flush=True)
+        if (initial_skipped or retried) and not quiet:
+            again = f"; retrying {retried} that failed" if retried else ""
+            print(f"resuming: {initial_skipped} requests already done{again}", file=self.file, flush=True)
         if not quiet and self.tty:
             self.bar = tqdm(total=total, unit="req", file=self.file, dynamic_ncols=True, desc="jaxllama run")
 

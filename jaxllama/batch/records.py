@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import TYPE_CHECKING
 
@@ -63,3 +64,22 @@ def failure(line: JobLine, error: Exception) -> dict:
 def record_id(record: dict):
     """The id a record answers (for resume): custom_id for OpenAI records, else id."""
     return record["custom_id"] if "custom_id" in record else record.get("id")
+
+
+def is_error(record: dict) -> bool:
+    """Whether a record is a line's error record (plain or OpenAI shape) rather than its answer."""
+    if "custom_id" in record:
+        response = record.get("response")
+        return record.get("error") is not None or not isinstance(response, dict) or response.get("status_code") != 200
+    return "error" in record
+
+
+def dumps(record: dict) -> str:
+    """A record as one line of JSON (no newline). Text stays as it is (UTF-8) unless the record holds a lone
+    surrogate (an id read from a "\\udc00" escape), which only an ASCII escape can write; it reads back the same."""
+    text = json.dumps(record, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(record)
+    return text

@@ -1,5 +1,6 @@
-"""Run a job file: every line answered, in input order, each written and flushed as soon as it and all lines
-before it are done; resumable (ids already in the output are skipped); bad lines become error records.
+"""Run a job file: every line answered, in input order; each finished line kept at once (the journal beside the
+output, `writer.py`), so that a killed or interrupted job resumes where it stopped; bad lines become error records,
+which a resumed run retries.
 
 One line's way through: `read_line` (its id and shape) -> `JobLine.request` (its kind and body) ->
 `RequestPipeline.prepare` (checked fields, prompt token ids) -> `Generation.submit` -> the engine's steps ->
@@ -11,7 +12,6 @@ Multi-host: every process reads the same job and runs the same engine loop; only
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -19,13 +19,16 @@ from pathlib import Path
 import numpy as np
 
 from jaxllama.batch import records
-from jaxllama.batch.jobs import JobLine, read_line
+from jaxllama.batch.jobs import JobLine, read_job
 from jaxllama.batch.progress import Progress
-from jaxllama.batch.writer import OrderedWriter
+from jaxllama.batch.resume import Plan, load_records, plan
+from jaxllama.batch.settings import check_settings, record_settings, settings_path
+from jaxllama.batch.writer import OrderedWriter, journal_path
 from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import broadcast_from_main
-from jaxllama.errors import DuplicateId
 from jaxllama.protocol.pipeline import PreparedRequest, RequestPipeline
+
+__all__ = ["JobInterrupted", "JobStats", "default_output", "print_summary", "read_job", "run_job"]
 
 
 @dataclasses.dataclass
@@ -34,33 +37,33 @@ class JobStats:
     ok: int = 0
     failed: int = 0
     skipped: int = 0  # already in the output (resume)
+    kept_errors: int = 0  # of the skipped, error records kept as they are (retries off)
+    retried: int = 0  # lines whose error record from an earlier run is replaced
     prompt_tokens: int = 0
     completion_tokens: int = 0
     wall_s: float = 0.0
     ttft_ms: list = dataclasses.field(default_factory=list)
 
+    @property
+    def has_errors(self) -> bool:
+        """Whether a line of the job has an error record, from this run or kept from an earlier one."""
+        return bool(self.failed or self.kept_errors)
+
+
+class JobInterrupted(Exception):
+    """The job was interrupted (Ctrl-C); what finished is kept, and the same command resumes it."""
+
+    def __init__(self, done: int, total: int, output: Path):
+        super().__init__(
+            f"{done} of {total} lines done, kept in {output} (and {journal_path(output).name}); "
+            "run the same command again to resume"
+        )
+        self.done, self.total = done, total
+
 
 def default_output(job: Path) -> Path:
     name = job.name[: -len(".jsonl")] if job.name.endswith(".jsonl") else job.name
     return job.with_name(f"{name}.out.jsonl")
-
-
-def completed_ids(output: Path) -> set:
-    """Ids answered in an existing output; a truncated last line (a killed run) is cut off the file."""
-    if not output.exists():
-        return set()
-    data = output.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end != len(data):
-        with open(output, "r+b") as f:
-            f.truncate(end)
-    done = set()
-    for raw in data[:end].splitlines():
-        try:
-            done.add(records.record_id(json.loads(raw)))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return done
 
 
 def run_job(
@@ -74,64 +77,70 @@ def run_job(
     overwrite: bool = False,
     quiet: bool = False,
     write: bool = True,
+    retry_errors: bool = True,
+    settings: dict | None = None,
 ) -> tuple[JobStats, dict]:
-    """Run a job file with a loaded `LLM`. Returns (job statistics, summary dict)."""
+    """Run a job file with a loaded `LLM`. Returns (job statistics, summary dict). `retry_errors`: run again the
+    lines whose record is an error. `settings` (`settings.job_settings`): checked against, and recorded beside,
+    the output; raises SettingsChanged. Raises JobInterrupted on Ctrl-C, after keeping what finished."""
     job = Path(job)
     output = Path(output) if output else default_output(job)
-    lines = read_job(job)
-    if overwrite and write and output.exists():
-        output.unlink()
-    done = completed_ids(output) if write else set()
-    stats = JobStats()
-    todo = _lines_to_run(lines, done, stats)
-
+    stats, progress = JobStats(), None
     start = time.perf_counter()
     engine_stats_before = dataclasses.replace(llm.engine.stats)
-    pipeline = RequestPipeline(llm, defaults, tuple(stop), system_prompt, output_options=False)
-    progress = Progress(total=len(todo), quiet=quiet, initial_skipped=stats.skipped)
     try:
-        with OrderedWriter(output if write else None, [line.number for line, _ in todo]) as writer:
+        lines = read_job(job)
+        stats.requests = len(lines)
+        if write:
+            _prepare_output(output, settings, overwrite)
+        found = _plan(lines, load_records(output) if write else {}, retry_errors, stats)
+        pipeline = RequestPipeline(llm, defaults, tuple(stop), system_prompt, output_options=False)
+        progress = Progress(len(found.todo), quiet=quiet, initial_skipped=stats.skipped, retried=stats.retried)
+        with OrderedWriter(output if write else None, *_order(lines, found)) as writer:
             batch = _Batch(llm, pipeline, writer, stats, progress)
-            for line, duplicate in todo:
+            for line, duplicate in found.todo:
                 if duplicate is None:
                     batch.submit(line)
                 else:
                     batch.fail(line, duplicate)
             batch.generate()
+    except KeyboardInterrupt:
+        raise JobInterrupted(stats.skipped + stats.ok + stats.failed, stats.requests, output) from None
     finally:
-        progress.close()
+        if progress is not None:
+            progress.close()
     stats.wall_s = time.perf_counter() - start
     return stats, summary(stats, llm, engine_stats_before)
 
 
-def read_job(job: Path) -> list[JobLine]:
-    """The job's lines (blank ones left out, the others keeping their line numbers)."""
-    try:
-        text = job.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise OSError(f"{job}: cannot read the job file ({e})") from None
-    return [read_line(raw, number) for number, raw in enumerate(text.splitlines(), start=1) if raw.strip()]
+def _prepare_output(output: Path, settings: dict | None, overwrite: bool) -> None:
+    """Start over (`overwrite`), or check that the output was written with these settings; record them."""
+    if overwrite:
+        for path in (output, journal_path(output), settings_path(output)):
+            path.unlink(missing_ok=True)
+    elif settings is not None:
+        check_settings(output, settings)
+    if settings is not None:
+        record_settings(output, settings)
 
 
-def _lines_to_run(lines: list[JobLine], done: set, stats: JobStats) -> list[tuple[JobLine, DuplicateId | None]]:
-    """The lines not answered yet, each with the DuplicateId it fails with if an earlier line has its id. Counts
-    the job's requests and those skipped in `stats`."""
-    todo, seen = [], set()
-    for line, skip in zip(lines, _skipped_lines(lines, done), strict=True):
-        stats.requests += 1
-        if skip:
-            stats.skipped += 1
-            continue
-        duplicate = DuplicateId(f"id {line.id!r} is used by an earlier line") if line.id in seen else None
-        seen.add(line.id)
-        todo.append((line, duplicate))
-    return todo
+def _plan(lines: list[JobLine], done: dict, retry_errors: bool, stats: JobStats) -> Plan:
+    """Which lines run, as process 0 (the one that reads the output) decides, on every process; counted in
+    `stats`."""
+    found = plan(lines, done, retry_errors)
+    kept = np.array([line.number in found.kept for line in lines], dtype=np.uint8)
+    kept = {line.number for line, k in zip(lines, broadcast_from_main(kept).astype(bool), strict=True) if k}
+    found.todo = [(line, duplicate) for line, duplicate in found.todo if line.number not in kept]
+    stats.skipped, stats.kept_errors, stats.retried = len(kept), found.kept_errors, found.retried
+    return found
 
 
-def _skipped_lines(lines: list[JobLine], done: set) -> np.ndarray:
-    """Per line: already answered (its id in `done`), as process 0 sees it, on every process."""
-    skip = np.array([line.id in done for line in lines], dtype=np.uint8)
-    return broadcast_from_main(skip).astype(bool)
+def _order(lines: list[JobLine], found: Plan) -> tuple[list[int], dict[int, dict]]:
+    """The writer's keys in output order, and the records already known by key: the job's lines by line number,
+    then the records kept from earlier runs whose ids no line of this job has (numbered after the last line)."""
+    last = lines[-1].number if lines else 0
+    others = {last + 1 + i: record for i, record in enumerate(found.others)}
+    return [line.number for line in lines] + list(others), {**found.kept, **others}
 
 
 class _Batch:
@@ -151,7 +160,7 @@ class _Batch:
             # decode steps that run a few long ones in nearly empty batches. Output stays in file order.
             priority = request.params.max_tokens
             self.llm.generation.submit(line.number, request.prompt, request.params, request.stop, priority=priority)
-        except ValueError as e:  # what the line, its encoding or the engine's checks found wrong with it
+        except Exception as e:  # a line's failure, expected (a RequestError) or not, is its record
             self.fail(line, e)
             return
         self.running[line.number] = (line, request)
@@ -170,7 +179,12 @@ class _Batch:
                     continue
                 line, request = self.running.pop(event.id)
                 result = event.result
-                self.writer.put(line.number, records.success(line, request, result, model_name))
+                try:
+                    record = records.success(line, request, result, model_name)
+                except Exception as e:  # one line's fault costs that line only
+                    self.fail(line, e)
+                    continue
+                self.writer.put(line.number, record)
                 self.stats.ok += 1
                 self.stats.prompt_tokens += result.prompt_tokens
                 self.stats.completion_tokens += len(result.token_ids)
@@ -191,6 +205,8 @@ def summary(stats: JobStats, llm, before) -> dict:
         "ok": stats.ok,
         "failed": stats.failed,
         "skipped": stats.skipped,
+        "kept_errors": stats.kept_errors,
+        "retried": stats.retried,
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
         "wall_s": round(stats.wall_s, 3),
@@ -227,9 +243,15 @@ def _per_host(wall_s, prefill_s, decode_s, compile_s) -> list[dict]:
     ]
 
 
+def _resumed(s: dict) -> str:
+    said = f", {s['skipped']} already done" if s["skipped"] else ""
+    said += f" ({s['kept_errors']} of them failed)" if s["kept_errors"] else ""
+    return said + (f", {s['retried']} failed before and retried" if s["retried"] else "")
+
+
 def print_summary(s: dict, file=sys.stderr) -> None:
     lines = [
-        f"requests: {s['ok']} ok, {s['failed']} failed" + (f", {s['skipped']} already done" if s["skipped"] else ""),
+        f"requests: {s['ok']} ok, {s['failed']} failed" + _resumed(s),
         f"tokens: {s['prompt_tokens']} prompt, {s['completion_tokens']} completion",
         f"time: {s['wall_s']:.1f} s wall ({s['compile_s']:.1f} s compiling or loading {s['programs']} programs); "
         f"{s['requests_per_s']:.2f} requests/s",

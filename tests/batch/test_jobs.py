@@ -9,7 +9,7 @@ import pytest
 
 from jaxllama import errors as E
 from jaxllama.batch import records
-from jaxllama.batch.jobs import read_line
+from jaxllama.batch.jobs import read_job, read_line
 from jaxllama.batch.writer import OrderedWriter
 from jaxllama.engine.request import SamplingParams
 from jaxllama.protocol import errors
@@ -134,3 +134,80 @@ def test_the_writer_keeps_the_input_order(tmp_path):
     assert out.read_text().splitlines()[-1] == '{"id": "é"}'
     with OrderedWriter(None, [1]) as nothing:  # a process that does not write
         nothing.put(1, {"id": 1})
+
+
+def test_a_line_nested_past_the_recursion_limit_is_that_lines_error():
+    line = read_line("[" * 100_000, 4)
+    assert (line.id, line.openai) == (4, False)
+    with pytest.raises(E.InvalidJSON, match="not valid JSON"):
+        line.request()
+
+
+@pytest.mark.parametrize(
+    "raw, rid",
+    [
+        (r'{"id": "a", "prompt": "scraped \udc00 text"}', "a"),
+        (r'{"id": "a", "messages": [{"role": "user", "content": "\ud800"}]}', "a"),
+        (r'{"id": "bad\udc00id", "prompt": "x"}', "bad\udc00id"),
+        (r'{"custom_id": "b", "url": "/v1/completions", "body": {"model": "m\udc00", "prompt": "x"}}', "b"),
+    ],
+)
+def test_a_lone_surrogate_escape_fails_its_line_and_its_record_is_written(raw, rid, tmp_path):
+    line = read_line(raw, 2)
+    assert line.id == rid
+    with pytest.raises(E.InvalidJSON, match="lone surrogate"):
+        line.request()
+    out = tmp_path / "out.jsonl"
+    with OrderedWriter(out, [2]) as writer:
+        writer.put(2, records.failure(line, E.InvalidJSON("x")))
+    (record,) = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+    assert records.record_id(record) == rid  # escaped in the file, the same id read back
+    assert read_line(r'{"id": "pair", "prompt": "\ud83d\ude00"}', 1).request()[1]["prompt"] == "\U0001f600"
+
+
+def test_job_lines_end_at_newline_only_and_bad_bytes_cost_their_line(tmp_path):
+    job = tmp_path / "job.jsonl"
+    lines = [
+        '{"id": "sep", "prompt": "a\u2028b\u2029c\u0085d"}',  # legal inside JSON strings
+        '{"id": "cr",\r "prompt": "x"}',  # a bare CR is JSON whitespace
+        '{"id": "crlf", "prompt": "y"}\r',  # Windows line ends
+    ]
+    data = "\ufeff" + "\n".join(lines) + "\n\n"  # a byte order mark, a blank line
+    job.write_bytes(data.encode() + b'{"id": "latin", "prompt": "caf\xe9"}\n{"id": "after", "prompt": "z"}')
+    read = read_job(job)
+    assert [(line.number, line.id) for line in read] == [(1, "sep"), (2, "cr"), (3, "crlf"), (5, 5), (6, "after")]
+    assert read[0].request()[1]["prompt"] == "a\u2028b\u2029c\u0085d"
+    with pytest.raises(E.InvalidJSON, match="not valid UTF-8"):
+        read[3].request()
+    assert all(line.request() for line in read[:3] + read[4:])
+
+
+class Engineless:
+    """Stands in for `LLM.generation`: refuses a prompt with a fault that no check expects."""
+
+    name = "none"
+
+    def __init__(self):
+        self.generation = self
+        self.submitted = []
+
+    def submit(self, rid, prompt, params, stop, priority):
+        if prompt == Characters().encode("boom"):
+            raise RuntimeError("a fault of jaxllama's")
+        self.submitted.append(rid)
+
+
+def test_an_unexpected_failure_is_that_lines_internal_error(tmp_path):
+    from jaxllama.batch.progress import Progress
+    from jaxllama.batch.runner import JobStats, _Batch
+
+    out, llm, stats = tmp_path / "out.jsonl", Engineless(), JobStats()
+    pipeline = RequestPipeline(Characters(), SamplingParams(), output_options=False)
+    with OrderedWriter(out, [1, 2]) as writer:
+        batch = _Batch(llm, pipeline, writer, stats, Progress(2, quiet=True))
+        batch.submit(read_line('{"id": "a", "prompt": "boom"}', 1))
+        batch.submit(read_line('{"id": "b", "prompt": "fine"}', 2))
+    assert llm.submitted == [2] and stats.failed == 1
+    (record,) = [json.loads(x) for x in out.read_text().splitlines()]
+    message = 'internal error: RuntimeError("a fault of jaxllama\'s")'
+    assert record["error"] == {"code": "internal_error", "message": message, "line": 1}
