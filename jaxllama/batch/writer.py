@@ -55,18 +55,18 @@ class OrderedWriter:
 
     def put(self, key: int, record: dict) -> None:
         """A finished record: kept in the journal at once, written to the output as soon as its turn comes."""
+        if self._journal is None:  # a process that does not write holds nothing either
+            return
         text = records.dumps(record) + "\n"
-        if self._journal is not None:
-            self._journal.write(text)
-            self._journal.flush()
-            if time.monotonic() - self._synced >= SYNC_EVERY_S:
-                os.fsync(self._journal.fileno())
-                self._synced = time.monotonic()
+        self._journal.write(text)
+        self._journal.flush()
+        if time.monotonic() - self._synced >= SYNC_EVERY_S:
+            os.fsync(self._journal.fileno())
+            self._synced = time.monotonic()
         self._held[key] = text
         for text in self._fold():
-            if self._output is not None:
-                self._output.write(text)
-                self._output.flush()
+            self._output.write(text)
+            self._output.flush()
 
     def _fold(self):
         """The held records whose turn has come, in order; each leaves `_held` as it is yielded."""
