@@ -18,13 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxllama.core.checkpoint import load_checkpoint
+from jaxllama import backends
+from jaxllama.core.checkpoint import load_checkpoint, runtime_dtype
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import forward, sequence_logits
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import DEFAULT_SLOTS, Engine, check_options
+from jaxllama.engine.memory import check_fits
 from jaxllama.engine.request import SamplingParams
-from jaxllama.engine.runtime import enable_compilation_cache
+from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir
+from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
 from jaxllama.generation import Generation, Result
 from jaxllama.protocol.requests import SAMPLING_FIELDS, sampling_params
 from jaxllama.text.chat_template import ChatTemplate, encode_chat
@@ -52,6 +55,7 @@ class LLM:
         kv_cache_dtype: str | None = None,
         path: Path | None = None,
         donate_params: bool = False,
+        ops=None,
     ):
         self.config, self.mesh = config, mesh
         self.tokenizer, self.template, self.eos_ids = tokenizer, template, frozenset(eos_ids)
@@ -67,6 +71,7 @@ class LLM:
             quantize=quantize,
             kv_cache_dtype=kv_cache_dtype,
             donate_params=donate_params,
+            ops=ops,
         )
         self.params = self.engine.params  # the weights the engine runs: prepared for its backend, no other copy
         self.generation = Generation(self.engine, tokenizer)
@@ -104,7 +109,11 @@ class LLM:
         path = resolve_model(path)
         config = ModelConfig.load(path)
         mesh = make_mesh(config, mesh, param_bytes=config.n_params * 4)
-        config, params = load_checkpoint(path, mesh=mesh, dtype=dtype)
+        dtype = jnp.dtype(dtype or runtime_dtype(mesh.devices.flat[0].platform))
+        ops = backends.choose(mesh, dtype, kernel_dir(), quantize=quantize)
+        check_fits(config, ops, dtype, mesh, stored_dtype=config.dtype)
+        # Each part of the model is prepared for the backend as it is restored: one copy of the weights at a time.
+        config, params = load_checkpoint(path, mesh=mesh, dtype=dtype, prepare=lambda part: ops.prepare(part, config))
         tokenizer = load_tokenizer(path)
         template = ChatTemplate.from_checkpoint(path, chat_template, special_tokens=tokenizer.special_tokens)
         eos = end_of_generation_ids(
@@ -127,7 +136,7 @@ class LLM:
             quantize=quantize,
             kv_cache_dtype=kv_cache_dtype,
             path=Path(path),
-            donate_params=True,  # restored here for this LLM alone
+            ops=ops,
         )
 
     @property
@@ -146,12 +155,18 @@ class LLM:
 
     def logits(self, token_ids: Sequence[Sequence[int]]) -> np.ndarray:
         """Logits [batch, time, vocab] (float32) of token id lists of any lengths; rows are right-padded,
-        and positions past a sequence's end hold NaN."""
-        lengths = [len(t) for t in token_ids]
-        width = max(lengths)
-        tokens = np.zeros((len(token_ids), width), np.int32)
-        for i, t in enumerate(token_ids):
-            tokens[i, : len(t)] = t
+        and positions past a sequence's end hold NaN.
+
+        Raises:
+            InvalidRequest: an empty batch or row, or a row that is not a list of token ids.
+            InvalidParameter: an id that is not an integer or not in [0, vocab_size).
+            ContextLengthExceeded: a row longer than the model's context (`config.max_seq_len`).
+        """
+        rows = _token_rows(token_ids, self.config.vocab_size, self.config.max_seq_len)
+        lengths = [len(row) for row in rows]
+        tokens = np.zeros((len(rows), max(lengths)), np.int32)
+        for i, row in enumerate(rows):
+            tokens[i, : len(row)] = row
         replicated = NamedSharding(self.mesh, PartitionSpec())  # every process can read all of it
         out = np.array(_sequence_logits(self.params, self.config, jnp.asarray(tokens), replicated, self.engine.ops))
         for i, n in enumerate(lengths):
@@ -266,6 +281,41 @@ def _default_decode_steps() -> int:
     """Decode steps per host round trip: on an accelerator several (host overhead is large against a step);
     on the CPU one (the step dominates, and finished slots are refilled sooner)."""
     return 1 if jax.default_backend() == "cpu" else 8
+
+
+def _token_rows(token_ids, vocab_size: int, max_len: int) -> list[np.ndarray]:
+    """`LLM.logits`' batch checked, as int64 rows. The model would not refuse bad ids itself: an id past the
+    vocabulary reads an embedding out of bounds (NaN or another token's), and a row past the context grows the
+    attention without bound."""
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, (Sequence, np.ndarray)):
+        raise InvalidRequest(f"token_ids: expected a list of token id lists, got {type(token_ids).__name__}")
+    if len(token_ids) == 0:
+        raise InvalidRequest("token_ids: the batch is empty")
+    return [_token_row(i, row, vocab_size, max_len) for i, row in enumerate(token_ids)]
+
+
+def _token_row(i: int, row, vocab_size: int, max_len: int) -> np.ndarray:
+    where = f"token_ids[{i}]"
+    if isinstance(row, (str, bytes)) or not isinstance(row, (Sequence, np.ndarray)):
+        raise InvalidRequest(f"{where}: expected a list of token ids, got {type(row).__name__}")
+    array = np.asarray(row)
+    if array.ndim != 1:
+        raise InvalidRequest(f"{where}: expected a flat list of token ids, got shape {array.shape}")
+    if array.size == 0:
+        raise InvalidRequest(f"{where}: the sequence is empty")
+    if array.size > max_len:
+        raise ContextLengthExceeded(f"{where}: {array.size} tokens, more than the model's context of {max_len}")
+    if array.dtype.kind not in "iu" and not all(isinstance(v, int) and not isinstance(v, bool) for v in row):
+        raise InvalidParameter(f"{where}: token ids must be integers, got {array.dtype.name} values", "token_ids")
+    if array.dtype.kind in "iu":
+        bad = np.flatnonzero((array < 0) | (array >= vocab_size)).tolist()
+    else:  # Python ints too large for int64
+        bad = [j for j, v in enumerate(row) if not 0 <= v < vocab_size]
+    if bad:
+        j = bad[0]
+        message = f"{where}[{j}] = {int(row[j])}: not a token id (expected 0 <= id < vocab_size = {vocab_size})"
+        raise InvalidParameter(message, "token_ids")
+    return array.astype(np.int64)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 3, 4))

@@ -21,19 +21,18 @@ from jaxllama.core.ops import XLA, Ops
 __all__ = ["QUANTIZATIONS", "check_quantization", "choose"]
 
 
-def choose(mesh: Mesh, params, kernel_dir: Path, *, cpu_kernels: bool = True, quantize: str | None = None) -> Ops:
-    """The operations to run params on mesh with: the CPU kernels (built into `kernel_dir` once per machine) on one
-    CPU device with float32 weights unless `cpu_kernels` is False or `JAXLLAMA_CPU_KERNELS=0`, else XLA's.
-    `quantize` (one of QUANTIZATIONS) needs the CPU kernels: ValueError where they are not used."""
+def choose(mesh: Mesh, dtype, kernel_dir: Path, *, cpu_kernels: bool = True, quantize: str | None = None) -> Ops:
+    """The operations to run weights of `dtype` on mesh with: the CPU kernels (built into `kernel_dir` once per
+    machine) on one CPU device with float32 weights unless `cpu_kernels` is False or `JAXLLAMA_CPU_KERNELS=0`, else
+    XLA's. `quantize` (one of QUANTIZATIONS) needs the CPU kernels: ValueError where they are not used."""
     check_quantization(quantize)
-    float32 = all(x.dtype == np.float32 for x in jax.tree.leaves(params))
+    float32 = np.dtype(dtype) == np.float32
     usable = cpu_kernels and jax.default_backend() == "cpu" and mesh.size == 1 and float32
     if usable and library.load(kernel_dir):
         return CpuOps(quantize)
     if quantize is not None:
-        dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(params)})
         raise ValueError(
             f"quantize={quantize!r} runs through the CPU kernels: one CPU device, float32 weights "
-            f"(here: {jax.default_backend()}, {mesh.size} device(s), {', '.join(dtypes)})"
+            f"(here: {jax.default_backend()}, {mesh.size} device(s), {np.dtype(dtype).name})"
         )
     return XLA

@@ -15,6 +15,7 @@ reads only the slices its devices hold.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import uuid
 import warnings
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxllama.core.checkpoint_check import check_stored, restore_errors
 from jaxllama.core.config import CONFIG_FILE, ModelConfig
 from jaxllama.core.params import abstract_params, param_layout
 
@@ -74,27 +76,71 @@ def _check_format(path: Path) -> None:
         )
 
 
-def load_checkpoint(path: str | Path, mesh: Mesh | None = None, dtype=None) -> tuple[ModelConfig, dict]:
-    """Restore (config, params) from a converted checkpoint.
+def load_checkpoint(path: str | Path, mesh: Mesh | None = None, dtype=None, prepare=None) -> tuple[ModelConfig, dict]:
+    """Restore (config, params) from a converted checkpoint, a part at a time: the params outside the layers, then
+    each layer.
 
     mesh: restore each array with its sharding on this mesh (from the logical-axis rules); None restores
     onto the default device. dtype: the runtime dtype (default `runtime_dtype()`); a checkpoint stored
-    in another dtype is cast once, here.
+    in another dtype is cast once, here, a part at a time. prepare: applied to each part as it is restored
+    (a backend's `Ops.prepare`), so that weights a backend replaces (packs, quantizes) are never all held twice.
     """
     path = Path(path)
     _check_format(path)
     config = ModelConfig.load(path)
+    check_stored(config, path / CONFIG_FILE, path / PARAMS_DIR)  # before building anything of its size
     dtype = jnp.dtype(dtype or runtime_dtype())
     stored = abstract_params(config, config.dtype, mesh)
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         stored = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), stored)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        params = _orbax().load_pytree(path / PARAMS_DIR, stored)
-    if jnp.dtype(config.dtype) != dtype:
-        params = jax.tree.map(lambda x: x.astype(dtype), params)
+    outer = [k for k in stored if not k.startswith("layers_")]
+    params: dict = {}
+    for names in [outer, *([f"layers_{i}"] for i in range(config.n_layers))]:
+        part = _restore_part(path, stored, names)
+        if jnp.dtype(config.dtype) != dtype:
+            part = jax.tree.map(lambda x: x.astype(dtype), part)
+        params |= prepare(part) if prepare is not None else part
     return config, params
+
+
+def _restore_part(path: Path, stored: dict, names: list[str]) -> dict:
+    """The params named `names` (top-level keys), restored alone: Orbax skips the leaves given as placeholders."""
+    ocp = _orbax()
+    wanted = {k: v if k in names else jax.tree.map(lambda _: ocp.PLACEHOLDER, v) for k, v in stored.items()}
+    with warnings.catch_warnings(), restore_errors(path / PARAMS_DIR):
+        warnings.simplefilter("ignore")
+        restored = ocp.load_pytree(path / PARAMS_DIR, wanted)
+    return {k: restored[k] for k in names}
+
+
+def _tmp_prefix(out_dir: Path) -> str:
+    return f".{out_dir.name}.tmp-"
+
+
+def remove_stale_tmp(out_dir: str | Path) -> list[Path]:
+    """Remove the temporary folders of writers of `out_dir` that are gone (killed before they could clean up):
+    those whose name carries the id of no running process, or none (written before names carried one).
+    Returns what was removed."""
+    out_dir = Path(out_dir)
+    removed = []
+    for tmp in out_dir.parent.glob(f"{_tmp_prefix(out_dir)}*"):
+        owner = tmp.name.removeprefix(_tmp_prefix(out_dir)).split("-")[0]
+        if owner.isdigit() and _running(int(owner)):
+            continue  # a writer at work, maybe another conversion racing for the same name
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: nothing is sent, the process is only looked up
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 class CheckpointWriter:
@@ -102,7 +148,8 @@ class CheckpointWriter:
 
     Everything goes to a temporary folder beside `out_dir`, renamed into place by `commit()` once every
     parameter is written; an error (or `abort()`) removes it, so a half-written checkpoint never looks
-    complete.
+    complete. The folder's name carries the writer's process id: one left by a killed conversion is removed
+    by the next writer of the same `out_dir`.
 
         with CheckpointWriter(out, config) as w:
             w.write({"embedding": array, ...})     # flat names from `param_layout`
@@ -117,7 +164,8 @@ class CheckpointWriter:
         self.config = config
         self.layout = param_layout(config)
         self.dtype = np.dtype(jnp.dtype(config.dtype))
-        self.tmp = self.out_dir.with_name(f".{self.out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+        remove_stale_tmp(self.out_dir)
+        self.tmp = self.out_dir.with_name(f"{_tmp_prefix(self.out_dir)}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.tmp.mkdir(parents=True)
         self.written: set[str] = set()
         self.committed = False

@@ -8,9 +8,44 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from pathlib import Path
 
+from jaxllama.errors import CheckpointError
+
 CONFIG_FILE = "config.json"
+STORAGE_DTYPES = ("bfloat16", "float32", "float16")  # what a converted checkpoint stores its weights in
+MAX_POSITIONS = 2**31 - 1
+_SIZES = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
+
+
+class ConfigError(ValueError):
+    """A ModelConfig value of the wrong type or out of range. `field` names the ModelConfig field, so that a
+    source's reader can say which of its own fields it came from."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field, self.problem = field, problem
+
+
+def _positive_int(name: str, value) -> int:
+    # JSON has no integer type of its own: 4096.0 is accepted, 1.5, "8", true and null are not.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(name, f"expected a positive integer, got {value!r}")
+    if value <= 0:
+        raise ConfigError(name, f"must be positive, got {value}")
+    return int(value)
+
+
+def _positive_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(name, f"expected a positive number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(name, f"must be a positive number, got {value}")
+    return float(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,26 +80,42 @@ class ModelConfig:
     dtype: str = "bfloat16"
 
     def __post_init__(self):
+        # Types and ranges first: a config read from a file may hold anything, and the checks below divide.
+        for name in _SIZES:
+            self._set(name, _positive_int(name, getattr(self, name)))
         if self.head_dim is None:
             if self.dim % self.n_heads:
-                raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
-            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+                raise ConfigError("dim", f"{self.dim} is not divisible by n_heads={self.n_heads}")
+            self._set("head_dim", self.dim // self.n_heads)
+        self._set("head_dim", _positive_int("head_dim", self.head_dim))
+        if self.max_seq_len > MAX_POSITIONS:
+            raise ConfigError("max_seq_len", f"{self.max_seq_len} is more than {MAX_POSITIONS} (positions are int32)")
+        for name in ("norm_eps", "rope_theta"):
+            self._set(name, _positive_float(name, getattr(self, name)))
         if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+            try:
+                self._set("rope_scaling", RopeScaling(**self.rope_scaling))
+            except TypeError as e:
+                raise ConfigError("rope_scaling", str(e).partition("__init__() ")[2] or str(e)) from None
         if self.rope_freq_factors is not None:
-            object.__setattr__(self, "rope_freq_factors", tuple(float(f) for f in self.rope_freq_factors))
+            factors = tuple(_positive_float("rope_freq_factors", f) for f in self.rope_freq_factors)
+            self._set("rope_freq_factors", factors)
             if len(self.rope_freq_factors) * 2 != self.head_dim:
-                raise ValueError(
-                    f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
-                    f"expected head_dim/2 = {self.head_dim // 2}"
+                raise ConfigError(
+                    "rope_freq_factors",
+                    f"{len(self.rope_freq_factors)} entries, expected head_dim/2 = {self.head_dim // 2}",
                 )
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+            raise ConfigError("n_kv_heads", f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+            raise ConfigError("head_dim", f"{self.head_dim} must be even for rotary embeddings")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ConfigError("tie_embeddings", f"expected true or false, got {self.tie_embeddings!r}")
+        if not isinstance(self.dtype, str):
+            raise ConfigError("dtype", f"expected a dtype name, got {self.dtype!r}")
+
+    def _set(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
 
     @property
     def n_params(self) -> int:
@@ -96,10 +147,20 @@ class ModelConfig:
 
     @classmethod
     def load(cls, directory: str | Path) -> ModelConfig:
+        """The config.json of a converted checkpoint; CheckpointError names the file and the field at fault."""
         path = Path(directory, CONFIG_FILE)
         try:
-            return cls.from_dict(json.loads(path.read_text()))
+            d = json.loads(path.read_text())
         except FileNotFoundError:
             raise FileNotFoundError(f"{path}: not found; is {directory} a converted jaxllama checkpoint?") from None
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise CheckpointError(f"{path}: not readable as JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{path}: expected a JSON object, got {type(d).__name__}")
+        try:
+            config = cls.from_dict(d)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{path}: {e}") from None
+            raise CheckpointError(f"{path}: {e}") from None
+        if config.dtype not in STORAGE_DTYPES:
+            raise CheckpointError(f"{path}: dtype: {config.dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
+        return config

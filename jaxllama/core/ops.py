@@ -32,6 +32,10 @@ class Ops:
         weights as they are."""
         return params
 
+    def weight_bytes(self, config, dtype) -> int:
+        """The bytes of a model's weights once prepared, held as `dtype` before preparing."""
+        return config.n_params * jnp.dtype(dtype).itemsize
+
     def linear(self, x: jax.Array, w, in_dims: int = 1) -> jax.Array:
         """x [..., *in] times w [*out, *in] (`in_dims` trailing dims) -> [..., *out], as one 2-D product."""
         lead = x.shape[: x.ndim - in_dims]

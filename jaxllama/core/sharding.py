@@ -85,20 +85,23 @@ def make_mesh(
     """A `data` x `model` mesh over `devices` (default: all of them, on every host).
 
     Without a spec, the `model` axis is the smallest that lets each device hold its share of the
-    weights (`param_bytes`) in half its memory, and the rest of the devices go to `data`.
+    weights (`param_bytes`) in half its memory, and the rest of the devices go to `data`. A spec for fewer
+    devices than there are takes the first ones (in one process: every process must hold a part of the mesh).
     """
     devices = list(devices if devices is not None else jax.devices())
     sizes = parse_mesh(spec)
     if sizes is None:
         model = _default_model_axis(config, devices, param_bytes)
         sizes = {"data": len(devices) // model, "model": model}
-    if math.prod(sizes.values()) != len(devices):
-        raise ValueError(
-            f"mesh data={sizes['data']},model={sizes['model']} needs {math.prod(sizes.values())} devices, "
-            f"{len(devices)} are available"
-        )
+    n = math.prod(sizes.values())
+    name = f"mesh data={sizes['data']},model={sizes['model']}"
+    if n > len(devices):
+        raise ValueError(f"{name} needs {n} devices, {len(devices)} {'is' if len(devices) == 1 else 'are'} available")
+    if n < len(devices) and jax.process_count() > 1:
+        processes = jax.process_count()
+        raise ValueError(f"{name} has {n} devices; across {processes} processes it must use all {len(devices)}")
     check_mesh(config, sizes)
-    grid = np.array(devices, dtype=object).reshape(sizes["data"], sizes["model"])
+    grid = np.array(devices[:n], dtype=object).reshape(sizes["data"], sizes["model"])
     return Mesh(grid, MESH_AXES)
 
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-import jax
 from jax.sharding import Mesh
 
 from jaxllama import backends
 from jaxllama.core.config import ModelConfig
+from jaxllama.core.ops import Ops
 from jaxllama.engine import buckets, kvcache
 from jaxllama.engine.device import Device
-from jaxllama.engine.runtime import cache_dir
+from jaxllama.engine.runtime import kernel_dir
 from jaxllama.engine.scheduler import Scheduler
 from jaxllama.engine.stats import EngineStats
 
@@ -43,7 +43,8 @@ class Engine(Scheduler):
     dtype by name (default: the weights'). `decode_steps`: tokens per decode call (no host round trip between
     them). `min_cache`: the cache's first length in positions. The weights the engine runs are `self.params`:
     `params` prepared for the backend's products (packed or quantized for the CPU kernels); `donate_params`: the
-    engine may free the given weights that preparing replaced (the caller will not use them again)."""
+    engine may free the given weights that preparing replaced (the caller will not use them again). `ops`: the
+    backend, where the caller chose it already (`backends.choose`; `cpu_kernels` and `quantize` then say nothing)."""
 
     def __init__(
         self,
@@ -61,6 +62,7 @@ class Engine(Scheduler):
         quantize: str | None = None,
         kv_cache_dtype: str | None = None,
         donate_params: bool = False,
+        ops: Ops | None = None,
     ):
         check_options(quantize, kv_cache_dtype)
         if not isinstance(layers_per_program, int) or layers_per_program < 1:
@@ -68,7 +70,8 @@ class Engine(Scheduler):
         self.config, self.mesh = config, mesh
         stats = EngineStats()
         start = time.perf_counter()  # building the CPU kernels (once per machine) counts as compilation
-        self.ops = backends.choose(mesh, params, cache_dir() / "kernels", cpu_kernels=cpu_kernels, quantize=quantize)
+        dtype = params["embedding"].dtype  # the weights' (a backend keeps the embedding as it is, for lookups)
+        self.ops = ops or backends.choose(mesh, dtype, kernel_dir(), cpu_kernels=cpu_kernels, quantize=quantize)
         stats.compile_s += time.perf_counter() - start
         data = mesh.shape["data"]
         device = Device(
@@ -81,7 +84,7 @@ class Engine(Scheduler):
             eos_ids=sorted(set(int(i) for i in eos_ids)),
             decode_steps=decode_steps,
             layers_per_program=layers_per_program,
-            cache_dtype=kvcache.dtype(kv_cache_dtype, jax.tree.leaves(params)[0].dtype),
+            cache_dtype=kvcache.dtype(kv_cache_dtype, dtype),
             min_cache=min_cache,
             stats=stats,
             donate_params=donate_params,

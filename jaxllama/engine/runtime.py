@@ -17,6 +17,11 @@ def cache_dir() -> Path:
     return Path(base) / "jaxllama"
 
 
+def kernel_dir() -> Path:
+    """Where the CPU kernels are built, once per machine and version."""
+    return cache_dir() / "kernels"
+
+
 _programs: Path | None = None
 
 

@@ -80,6 +80,7 @@ def build(folder: Path) -> Path:
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
+    log.info("building the CPU kernels into %s (once per machine and version)", folder)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         built = Path(tmp) / target.name
         command = [*compiler, *FLAGS, "-I", include, *map(str, SOURCES), "-o", str(built)]

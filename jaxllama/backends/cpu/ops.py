@@ -46,6 +46,15 @@ class CpuOps(Ops):
             packed = jax.tree.map(to_int8, packed, is_leaf=lambda w: isinstance(w, matmul.Packed))
         return packed
 
+    def weight_bytes(self, config, dtype) -> int:
+        """Every product's weight packed (float32, or 1.125 bytes a weight: int8 and a float32 scale per 32), the
+        embedding kept in float32 for its lookups, the norms as they are."""
+        per_weight = 4 if self.quantize is None else 1 + 4 / matmul.Q_BLOCK
+        embedding = config.vocab_size * config.dim
+        norms = (2 * config.n_layers + 1) * config.dim
+        products = config.n_params - norms - embedding + (embedding if config.tie_embeddings else 0)
+        return int(products * per_weight) + 4 * (embedding + norms)
+
     def linear(self, x, w, in_dims: int = 1):
         if isinstance(w, matmul.Packed):
             return matmul.matmul(x.reshape(*x.shape[: x.ndim - in_dims], -1), w)

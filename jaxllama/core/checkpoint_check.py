@@ -1,0 +1,94 @@
+"""A converted checkpoint checked before anything is restored: its config.json against the arrays Orbax recorded
+(names, shapes, dtypes), read from Orbax's metadata alone.
+
+A config that does not match its arrays (edited by hand, copied from another model, or absurd) is refused here,
+naming the file and the field: restoring would first build the model the config describes (a config of 10^6
+layers takes minutes and gigabytes before Orbax notices) and then fail deep inside Orbax. Failures of the
+restore itself (a truncated data file) come out of `restore_errors` as one CheckpointError too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+
+from jaxllama.core.config import ModelConfig
+from jaxllama.core.params import param_layout
+from jaxllama.errors import CheckpointError
+
+
+def stored_arrays(params_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{'layers_0/attention/wq': (shape, dtype name)} for every array of an Orbax checkpoint, from its metadata."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import orbax.checkpoint.experimental.v1 as ocp
+
+        try:
+            tree = ocp.pytree_metadata(params_dir).metadata
+        except Exception as e:  # Orbax raises many kinds for a missing or garbled metadata file
+            raise CheckpointError(f"{params_dir}: cannot read Orbax's metadata ({_first_line(e)})") from None
+    flat = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for key, child in node.items():
+                walk(child, f"{prefix}{key}/")
+        else:
+            flat[prefix[:-1]] = (tuple(int(d) for d in node.shape), str(node.dtype))
+
+    walk(tree, "")
+    return flat
+
+
+def check_stored(config: ModelConfig, config_file: Path, params_dir: Path) -> None:
+    """Raise CheckpointError unless the arrays in `params_dir` are exactly those `config` describes.
+
+    The layer count and the embedding are compared first, from the metadata alone: only then is the config
+    trusted to build the model's layout (whose cost grows with its layers)."""
+    stored = stored_arrays(params_dir)
+    layers = len({name.partition("/")[0] for name in stored if name.startswith("layers_")})
+    if layers != config.n_layers:
+        raise CheckpointError(f"{config_file}: n_layers is {config.n_layers}, but {params_dir} holds {layers} layers")
+    embedding = stored.get("embedding", (None,))[0]
+    if embedding != (config.vocab_size, config.dim):
+        raise CheckpointError(
+            f"{config_file}: vocab_size is {config.vocab_size} and dim {config.dim}, but {params_dir} holds "
+            + (f"an embedding of shape {embedding}" if embedding else "no embedding")
+        )
+    layout = param_layout(config)
+    for name, (shape, _) in layout.items():
+        if name not in stored:
+            raise CheckpointError(f"{params_dir}: {name} is missing (the model of {config_file} has it)")
+        found, dtype = stored[name]
+        if found != shape:
+            raise CheckpointError(
+                f"{config_file} does not match {params_dir}: {name} is stored with shape {found}, "
+                f"the config gives {shape}"
+            )
+        if dtype != config.dtype:
+            raise CheckpointError(f"{config_file}: dtype is {config.dtype}, but {params_dir} stores {name} as {dtype}")
+    extra = sorted(set(stored) - set(layout))
+    if extra:
+        raise CheckpointError(
+            f"{params_dir}: holds {extra[0]}, which the model of {config_file} does not have"
+            + (" (tie_embeddings is true)" if extra[0] == "output" else "")
+        )
+
+
+@contextlib.contextmanager
+def restore_errors(params_dir: Path):
+    """Turn a failed restore (a truncated or missing data file) into one CheckpointError naming the checkpoint."""
+    try:
+        yield
+    except (CheckpointError, MemoryError):
+        raise
+    except Exception as e:  # Orbax and TensorStore raise their own kinds, with the file in the message
+        raise CheckpointError(f"{params_dir}: cannot restore ({_first_line(e)})") from None
+
+
+def _first_line(e: Exception) -> str:
+    """The part of an Orbax or TensorStore message that names the file and the problem (not the JSON spec of
+    TensorStore's drivers that follows it)."""
+    lines = str(e).strip().splitlines()
+    return lines[0].partition(" [tensorstore_spec")[0] if lines else type(e).__name__

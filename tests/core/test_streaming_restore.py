@@ -1,0 +1,55 @@
+"""Loading holds one copy of the weights: a checkpoint is restored a part at a time, each part prepared for the
+backend as it comes, and a model too large for the machine is refused before anything is restored."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxllama import LLM
+from jaxllama.backends.cpu.ops import CpuOps
+from jaxllama.core.checkpoint import CONFIG_FILE, load_checkpoint
+from jaxllama.core.config import ModelConfig
+from jaxllama.engine.memory import ModelTooLarge
+
+
+def test_parts_are_restored_and_prepared_one_at_a_time(tiny_chat_checkpoint):
+    config, whole = load_checkpoint(tiny_chat_checkpoint)
+    parts = []
+
+    def prepare(part):
+        parts.append(sorted(part))
+        return part
+
+    _, streamed = load_checkpoint(tiny_chat_checkpoint, prepare=prepare)
+    assert parts == [sorted(k for k in whole if not k.startswith("layers_"))] + [
+        [f"layers_{i}"] for i in range(config.n_layers)
+    ]
+    jax.tree.map(np.testing.assert_array_equal, streamed, whole)
+
+
+def test_a_loaded_model_holds_its_weights_once_as_its_backend_runs_them(tiny_chat_checkpoint):
+    llm = LLM.load(tiny_chat_checkpoint, mesh="data=1,model=1", max_slots=1, compilation_cache=False)
+    if not isinstance(llm.engine.ops, CpuOps):
+        pytest.skip("the CPU kernels are not built here: XLA's ops read the weights as restored")
+    attention = llm.params["layers_0"]["attention"]
+    assert "wq" not in attention and "wq+wk+wv" in attention  # packed, with no float32 copy beside it
+    reply = llm.generate("The", max_tokens=4, temperature=0)
+    logits = llm.logits([llm.encode("The") + reply.token_ids])[0]  # through the same packed weights
+    assert reply.token_ids == np.argmax(logits[len(llm.encode("The")) - 1 : -1], axis=-1).tolist()
+
+
+def test_a_model_too_large_for_the_machine_is_refused_before_loading(tiny_chat_checkpoint, tmp_path):
+    """An 8B-shaped config over the tiny model's files: refused from its config alone, naming the bytes."""
+    huge = tmp_path / "huge"
+    shutil.copytree(tiny_chat_checkpoint, huge)
+    config = json.loads((huge / CONFIG_FILE).read_text())
+    config.update(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336 * 64, vocab_size=128256)
+    (huge / CONFIG_FILE).write_text(json.dumps(config))
+    ModelConfig.load(huge)  # a valid config: only its size is wrong for this machine
+    with pytest.raises(ModelTooLarge, match=r"needs about \d+\.\d GiB .* is \d+\.\d GiB"):
+        LLM.load(huge, max_slots=1, compilation_cache=False)
