@@ -3,12 +3,16 @@
 Templates render in the same sandboxed Jinja environment transformers uses (trim_blocks, lstrip_blocks, loop
 controls, `raise_exception`, `strftime_now`, a non-escaping `tojson`, the `{% generation %}` tag), with the
 same variables: `messages`, `add_generation_prompt`, `tools`, `documents`, `bos_token`, `eos_token` and any
-extra keyword arguments. Templates come from checkpoints and are untrusted code, hence the immutable sandbox.
+extra keyword arguments. Templates come from checkpoints and are untrusted code, hence the immutable sandbox,
+with a budget of work, time and size (`jaxllama.text.template_sandbox`).
+
+`encode_chat` keeps message contents text: only the template's own markup yields special tokens.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-import jinja2.sandbox
 import jinja2.utils
 
 from jaxllama import errors
 from jaxllama.text.builtin_templates import BUILTIN_TEMPLATES
+from jaxllama.text.template_sandbox import BoundedSandbox, RenderLimitExceeded, render_bounded
 
 if TYPE_CHECKING:
     from jaxllama.text.tokenizer import Tokenizer
@@ -124,24 +128,30 @@ class ChatTemplate:
         nothing) rather than rendering as "None". Unlike transformers, `add_generation_prompt` defaults to True:
         the usual case here is prompting the model for its answer.
 
+        Rendering is bounded (`jaxllama.text.template_sandbox`): a template that loops or grows strings
+        past the budget is stopped.
+
         Raises:
-            ChatTemplateError: the template called `raise_exception` (the error carries its message) or
-                failed.
+            ChatTemplateError: the template called `raise_exception` (the error carries its message), failed,
+                or went over its rendering budget.
         """
         special_tokens = {"bos_token": bos_token, "eos_token": eos_token}
         variables = {key: value for key, value in special_tokens.items() if value is not None}
         variables.update({key: _plain(value) for key, value in kwargs.items()})
+        variables.update(
+            messages=_plain_messages(messages),
+            tools=_plain(tools),
+            documents=_plain(documents),
+            add_generation_prompt=add_generation_prompt,
+        )
         try:
-            return _compile(self.source, self.name).render(
-                messages=_plain_messages(messages),
-                tools=_plain(tools),
-                documents=_plain(documents),
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
+            return render_bounded(_compile(self.source, self.name), variables)
         except ChatTemplateError:
             raise
-        except (jinja2.TemplateError, TypeError) as error:
+        except RenderLimitExceeded as error:
+            raise ChatTemplateError(f"chat template {self.name!r} refused: {error}") from None
+        except (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as error:
+            # The template's own failure (`{{ 1 / 0 }}`, `{{ x[99] }}`): untrusted code, not a fault of jaxllama's.
             raise ChatTemplateError(f"chat template {self.name!r} failed to render: {error}") from error
 
 
@@ -153,22 +163,76 @@ def encode_chat(
     add_generation_prompt: bool = True,
     **kwargs: Any,
 ) -> list[int]:
-    """Render a conversation with `template` and encode it, special tokens included.
+    """Render a conversation with `template` and encode it: the template's markup with its special tokens, the
+    messages' contents as plain text.
 
+    Special-token text in a content ("<|eot_id|>", "<|im_end|>") is encoded as text, as Meta's `ChatFormat`
+    encodes contents, so that a message cannot close its own turn and forge another (see `markup_specials`).
     BOS is prepended only when the tokenizer adds one (`add_bos`) and the rendered text does not already start
     with `bos_token`, so a template that writes `{{ bos_token }}` never yields two BOS tokens. Messages are
     rendered as given; check untrusted ones with `jaxllama.text.conversation.validate_messages` first.
+
+    Raises:
+        ChatTemplateError: the template failed, or it renders a content holding special-token text in a way
+            that does not let that text be told from the markup (see `markup_specials`).
     """
-    text = template.render(
-        messages,
-        add_generation_prompt=add_generation_prompt,
-        bos_token=tokenizer.bos_token,
-        eos_token=tokenizer.eos_token,
-        **kwargs,
-    )
-    starts_with_bos = bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token)
+    variables = dict(add_generation_prompt=add_generation_prompt, bos_token=tokenizer.bos_token)
+    variables.update(eos_token=tokenizer.eos_token, **kwargs)
+    text = template.render(messages, **variables)
+    specials = markup_specials(tokenizer, template, messages, text, variables)
+    bos = tokenizer.bos_token
+    starts_with_bos = bool(bos) and text.startswith(bos) and (specials is None or (0, len(bos)) in specials)
     add_bos = tokenizer.add_bos and tokenizer.bos_id is not None and not starts_with_bos
-    return tokenizer.encode(text, add_bos=add_bos, allow_special=True)
+    if specials is None:
+        return tokenizer.encode(text, add_bos=add_bos, allow_special=True)
+    return tokenizer.encode_with_specials(text, specials, add_bos=add_bos)
+
+
+def markup_specials(
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    messages: Sequence[Mapping[str, Any]],
+    text: str,
+    variables: Mapping[str, Any],
+) -> list[tuple[int, int]] | None:
+    """The (start, end) spans of `text` (the rendered conversation) that are the template's special tokens, when
+    some content holds special-token text; None when none does (every special token in `text` is markup).
+
+    The conversation is rendered again with each special-token text in the contents replaced by as many
+    `_STAND_IN` characters: the special tokens of that rendering are the markup's. When the two renderings agree
+    everywhere but at stand-ins (the template writes contents as they are, trimmed, cased, escaped as JSON, ...),
+    its special tokens are at the same places in `text`. Otherwise ChatTemplateError is raised, rather than let a
+    content's special-token text become a special token.
+    """
+    stand_ins = [_stand_in(tokenizer, message) for message in messages]
+    if all(stand_in is message for stand_in, message in zip(stand_ins, messages, strict=True)):
+        return None
+    safe = template.render(stand_ins, **variables)
+    if len(safe) != len(text) or any(
+        text[match.start() : match.end()] != match.group() for match in re.finditer(f"[^{_STAND_IN}]+", safe)
+    ):
+        index = next(i for i, (s, m) in enumerate(zip(stand_ins, messages, strict=True)) if s is not m)
+        raise ChatTemplateError(
+            f"messages[{index}].content holds special-token text, and chat template {template.name!r} changes the "
+            "contents it writes so that this text cannot be told from the template's own special tokens"
+        )
+    return tokenizer.special_spans(safe)
+
+
+_STAND_IN = "\ue000"  # a private-use character: no special token's text, nor whitespace a template would trim
+
+
+def _stand_in(tokenizer: Tokenizer, message: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`message` with the special-token text in its content replaced by stand-ins, or itself if it has none."""
+    content = message.get("content") if isinstance(message, Mapping) else None
+    spans = tokenizer.special_spans(content) if isinstance(content, str) else []
+    if not spans:
+        return message
+    pieces, end = [], 0
+    for start, stop in spans:
+        pieces += [content[end:start], _STAND_IN * (stop - start)]
+        end = stop
+    return {**message, "content": "".join([*pieces, content[end:]])}
 
 
 def read_checkpoint_template(path: str | Path) -> str | None:
@@ -257,8 +321,8 @@ def _compile(source: str, name: str) -> jinja2.Template:
 
 
 @lru_cache(maxsize=1)
-def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+def _environment() -> BoundedSandbox:
+    environment = BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     environment.filters["tojson"] = _tojson

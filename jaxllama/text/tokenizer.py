@@ -8,8 +8,10 @@ turned into tokenizer.json text and loaded with the HF backend).
 from __future__ import annotations
 
 import abc
+import functools
 import os
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from jaxllama.text.incremental import IncrementalDecoder
@@ -48,6 +50,37 @@ class Tokenizer(abc.ABC):
         if self.bos_id is None:
             raise ValueError("add_bos=True, but this tokenizer has no BOS token")
         return [self.bos_id, *ids]
+
+    def encode_with_specials(
+        self, text: str, specials: Sequence[tuple[int, int]], *, add_bos: bool = False
+    ) -> list[int]:
+        """Token ids of `text` where the (start, end) spans `specials`, in order, are special tokens, and every
+        other part is plain text, special-token text included (e.g. a chat message's content).
+
+        The text between two special tokens is encoded as each backend encodes it with `allow_special`, so
+        without special-token text elsewhere this is `encode(text, allow_special=True)`.
+        """
+        ids = self.encode("", add_bos=add_bos)
+        end = 0
+        for start, stop in specials:
+            if start > end:
+                ids += self._encode(text[end:start], allow_special=False)
+            ids.append(self.special_tokens[text[start:stop]])
+            end = stop
+        if end < len(text):
+            ids += self._encode(text[end:], allow_special=False)
+        return ids
+
+    def special_spans(self, text: str) -> list[tuple[int, int]]:
+        """The (start, end) spans of special-token text in `text` (which `encode` turns into special tokens by
+        default): leftmost first, the longest at a place."""
+        pattern = self._special_text_pattern
+        return [] if pattern is None else [match.span() for match in pattern.finditer(text)]
+
+    @functools.cached_property
+    def _special_text_pattern(self) -> re.Pattern | None:
+        by_length = sorted(filter(None, self.special_tokens), key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, by_length))) if by_length else None
 
     @abc.abstractmethod
     def _encode(self, text: str, *, allow_special: bool) -> list[int]:
