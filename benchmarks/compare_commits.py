@@ -1,9 +1,10 @@
 """Two versions of jaxllama on the same jobs, in one run: does a change keep (or improve) the speed?
 
-    python -m benchmarks.compare_commits BASE JOB.jsonl [JOB.jsonl ...] [--rounds 2] [--options "--quantize w8a8"]
+    python -m benchmarks.compare_commits BASE JOB.jsonl [JOB.jsonl ...] [--new REV] [--rounds 2]
+                                         [--options "--quantize w8a8"]
 
-BASE is a git revision (e.g. `HEAD~3`, a commit id); it is checked out into a temporary worktree and compared with
-the working tree. Each version runs each job through `jaxllama run` with its own compilation cache: once cold
+BASE (and NEW, by default the working tree) are git revisions (e.g. `HEAD~3`, a commit id), each checked out into a
+temporary worktree. Each version runs each job through `jaxllama run` with its own compilation cache: once cold
 (not counted: it fills the cache), then `rounds` times warm, the two versions alternating so that a machine whose
 speed drifts affects both alike. Prints each warm run's output tokens/s and the ratio of the medians (working tree
 over BASE).
@@ -35,14 +36,16 @@ def run_job(tree: Path, cache: Path, job: Path, options: list[str]) -> dict:
     return json.loads(stats.read_text())
 
 
-def main(base: str, *jobs: str, rounds: int = 2, options: str = ""):
+def main(base: str, *jobs: str, new: str | None = None, rounds: int = 2, options: str = ""):
     flags = shlex.split(options)
     jobs = [Path(j).resolve() for j in jobs]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        subprocess.run(["git", "worktree", "add", "--detach", str(tmp / "base"), base], cwd=REPO, check=True)
+        trees = {"base": tmp / "base", "new": tmp / "new" if new else REPO}
+        for name, rev in (("base", base), ("new", new)):
+            if rev:
+                subprocess.run(["git", "worktree", "add", "--detach", str(trees[name]), rev], cwd=REPO, check=True)
         try:
-            trees = {"base": tmp / "base", "new": REPO}
             for job in jobs:
                 runs = {name: [] for name in trees}
                 for name, tree in trees.items():  # cold: fills each version's cache
@@ -57,9 +60,11 @@ def main(base: str, *jobs: str, rounds: int = 2, options: str = ""):
                             flush=True,
                         )
                 ratio = statistics.median(runs["new"]) / statistics.median(runs["base"])
-                print(f"{job.name}: working tree / {base} = {ratio:.3f} (medians of {rounds} warm runs)", flush=True)
+                print(f"{job.name}: {new or 'working tree'} / {base} = {ratio:.3f} (medians of {rounds} warm runs)")
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "base")], cwd=REPO, check=False)
+            for name, tree in trees.items():
+                if tree != REPO:
+                    subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False)
 
 
 if __name__ == "__main__":
