@@ -62,7 +62,7 @@ def main(base: str, *jobs: str, new: str | None = None, rounds: int = 2, options
                 ratio = statistics.median(runs["new"]) / statistics.median(runs["base"])
                 print(f"{job.name}: {new or 'working tree'} / {base} = {ratio:.3f} (medians of {rounds} warm runs)")
         finally:
-            for name, tree in trees.items():
+            for tree in trees.values():
                 if tree != REPO:
                     subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False)
 
