@@ -11,6 +11,7 @@ import numpy as np
 from jaxllama.engine.interface import LENGTH, RUNNING, STOPPED, Sampled
 from jaxllama.engine.request import Request, SamplingParams
 from jaxllama.engine.scheduler import Scheduler
+from tests.engine.test_engine import run
 
 EOS = 99
 
@@ -56,15 +57,6 @@ class ScriptedDevice:
                 finish[0, i] = STOPPED if tokens[0, i] == EOS else LENGTH
                 del self.rows[slot]
         return Sampled(tokens, np.zeros((1, n), np.float32), emitted, finish)
-
-
-def run(scheduler, requests):
-    tokens, finals = {}, {}
-    for u in scheduler.generate(requests):
-        tokens.setdefault(u.id, []).extend(u.tokens)
-        if u.finish_reason:
-            finals[u.id] = u
-    return tokens, finals
 
 
 def test_finish_reasons_are_the_devices():
