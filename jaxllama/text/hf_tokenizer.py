@@ -56,6 +56,10 @@ class HFTokenizer(Tokenizer):
         tokenizer = self._tokenizer if allow_special else self._special_as_text
         return tokenizer.encode(text, add_special_tokens=False).ids
 
+    def _encode_text(self, text: str, *, after_special: bool) -> list[int]:
+        tokenizer = self._text_after_special if after_special else self._special_as_text
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
@@ -72,6 +76,16 @@ class HFTokenizer(Tokenizer):
     def _special_as_text(self) -> tokenizers.Tokenizer:
         """A copy that encodes special-token text as ordinary text."""
         tokenizer = tokenizers.Tokenizer.from_str(self._json)
+        tokenizer.encode_special_tokens = True
+        return tokenizer
+
+    @functools.cached_property
+    def _text_after_special(self) -> tokenizers.Tokenizer:
+        """A copy that encodes special-token text as ordinary text, and encodes text as it does after a special
+        token: a Metaspace pre-tokenizer that prepends "▁" only at the start of the text ("first") prepends none."""
+        config = json.loads(self._json)
+        _prepend_never(config.get("pre_tokenizer"))
+        tokenizer = tokenizers.Tokenizer.from_str(json.dumps(config))
         tokenizer.encode_special_tokens = True
         return tokenizer
 
@@ -100,6 +114,16 @@ def _token_text(value: str | dict | None) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+def _prepend_never(pre_tokenizer: dict | None) -> None:
+    """Turn Metaspace's prepend_scheme "first" into "never", in a pre-tokenizer config or a Sequence of them."""
+    if pre_tokenizer is None:
+        return
+    if pre_tokenizer.get("type") == "Metaspace" and pre_tokenizer.get("prepend_scheme") == "first":
+        pre_tokenizer["prepend_scheme"] = "never"
+    for inner in pre_tokenizer.get("pretokenizers", []):
+        _prepend_never(inner)
 
 
 def _find_template(processor: dict | None) -> dict | None:

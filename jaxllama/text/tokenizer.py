@@ -62,14 +62,17 @@ class Tokenizer(abc.ABC):
         """
         ids = self.encode("", add_bos=add_bos)
         end = 0
-        for start, stop in specials:
+        for start, stop in [*specials, (len(text), len(text))]:
             if start > end:
-                ids += self._encode(text[end:start], allow_special=False)
-            ids.append(self.special_tokens[text[start:stop]])
+                ids += self._encode_text(text[end:start], after_special=end > 0)
+            if stop > start:
+                ids.append(self.special_tokens[text[start:stop]])
             end = stop
-        if end < len(text):
-            ids += self._encode(text[end:], allow_special=False)
         return ids
+
+    def _encode_text(self, text: str, *, after_special: bool) -> list[int]:
+        """Token ids of `text` as plain text, as it is encoded at the start of a text or after a special token."""
+        return self._encode(text, allow_special=False)
 
     def special_spans(self, text: str) -> list[tuple[int, int]]:
         """The (start, end) spans of special-token text in `text` (which `encode` turns into special tokens by

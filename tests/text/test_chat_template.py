@@ -411,6 +411,40 @@ def test_llama2_contents_stay_text_as_in_meta_llama2(tmp_path_factory: pytest.Te
     assert encode_chat(tokenizer, ChatTemplate.builtin("llama2"), messages) == expected
 
 
+def metaspace_first_tokenizer(folder: pathlib.Path) -> Tokenizer:
+    """A tokenizer.json whose Metaspace pre-tokenizer prepends "▁" only at the start of the text (prepend_scheme
+    "first", as in transformers' Llama and Mistral tokenizers): the text after a special token gets none."""
+    import tokenizers
+    from tokenizers import AddedToken, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3, "a": 4, "▁a": 5, "b": 6, "▁b": 7}
+    tokenizer = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "a"), ("▁", "b")], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<s>", "</s>")])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return load_tokenizer(folder)
+
+
+@pytest.mark.parametrize("backend", ["tiktoken", "byte_level", "metaspace_first"])
+def test_split_at_the_markup_encodes_as_the_tokenizer_does(
+    backend: str, llama3_tokenizer: Tokenizer, smollm2_tokenizer: Tokenizer, tmp_path: pathlib.Path
+) -> None:
+    """Encoding the text between special tokens apart (to keep a content's special-token text plain text) gives
+    the tokenizer's own ids wherever the text has no such content."""
+    if backend == "metaspace_first":
+        tokenizer, texts = metaspace_first_tokenizer(tmp_path), ["a</s>b", "<s>ab a</s> b</s>", "b a<s>"]
+    else:
+        tokenizer = llama3_tokenizer if backend == "tiktoken" else smollm2_tokenizer
+        rendered = ChatTemplate.builtin("llama3" if backend == "tiktoken" else "chatml").render(
+            CONVERSATIONS["multi_turn"], bos_token=tokenizer.bos_token
+        )
+        texts = [rendered, rendered.removeprefix(tokenizer.bos_token or "")]
+    for text in texts:
+        specials = tokenizer.special_spans(text)
+        assert specials
+        assert tokenizer.encode_with_specials(text, specials) == tokenizer.encode(text, allow_special=True)
+
+
 def test_a_template_that_rewrites_special_text_in_a_content_is_refused(llama3_tokenizer: Tokenizer) -> None:
     # Its output changes length with the special-token text, so that text cannot be told from the markup.
     source = "{% for m in messages %}<|start_header_id|>{{ m.content | replace('<|', '<<|') }}<|eot_id|>{% endfor %}"
