@@ -1,6 +1,6 @@
 """A Jinja sandbox with a budget: chat templates are untrusted code, and a sandbox that keeps them from reaching
 Python's internals still lets them loop for hours or build gigabyte strings (`range(100000)` nested twice,
-`'x' * 10**10`, `10 ** 10 ** 10`). `render_bounded` renders a template under a `RenderBudget`:
+`'x' * 10**10`, `2 ** (10 ** 9)`). `render_bounded` renders a template under a `RenderBudget`:
 
 - work: every loop iteration, call and `range` element spends from `max_steps`, and the clock is read at
   each spend (`max_seconds`);
@@ -33,13 +33,14 @@ MAX_STEPS = 1_000_000
 message (tens of thousands for the longest conversations)."""
 MAX_SECONDS = 5.0
 MAX_CHARS = 64 * 2**20
-"""Characters (or list items) of any value a template builds, and of its output: room for requests of several
-megabytes rendered more than once."""
+"""Characters of any string a template builds, and of its output: room for requests of several megabytes
+rendered more than once."""
 MAX_ITEMS = 1_000_000
 """Items of any list a template builds: no more than it could loop over."""
 MAX_INT_BITS = 4096
 
-# Filters whose result can be far larger than their input: checked before they run (see `_precheck`).
+# String methods and filters whose result can be far larger than their input, by a width argument: checked
+# before they run (see `_precheck`).
 _WIDTH_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "indent", "wordwrap"})
 # A printf-style or str.format field; the numbers in it are widths, precisions or indexes.
 _FORMAT_FIELD = re.compile(r"%[-+ #0-9.*]*|\{[^{}]*\}")
