@@ -9,6 +9,7 @@ jaxllama chat [--model PATH]
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 
@@ -16,7 +17,9 @@ import fire
 
 from jaxllama.engine.request import SamplingParams
 
-REPEATABLE = ("--stop", "--eos-id", "--eos_id")
+log = logging.getLogger(__name__)
+
+REPEATABLE = ("stop", "eos_id")  # flags given once per value
 
 
 def _common_setup(
@@ -32,13 +35,19 @@ def _common_setup(
     decode_steps=None,
     quantize=None,
     kv_cache_dtype=None,
+    quiet=False,
 ):
+    from jaxllama.core.config import ModelConfig
+    from jaxllama.default_model import resolve_model
     from jaxllama.engine.runtime import initialize_distributed
     from jaxllama.llm import LLM
 
+    _log_to_stderr(logging.WARNING if quiet else logging.INFO)
     initialize_distributed(coordinator, num_processes, process_id)
-    return LLM.load(
-        model,
+    path = resolve_model(model, progress=not quiet)
+    log.info("loading %s (%.0f M parameters)", path, ModelConfig.load(path).n_params / 1e6)
+    llm = LLM.load(
+        path,
         mesh=mesh,
         chat_template=chat_template,
         extra_eos_ids=_as_list(eos_id, int),
@@ -48,6 +57,43 @@ def _common_setup(
         quantize=quantize,
         kv_cache_dtype=kv_cache_dtype,
     )
+    _warn_if_cpu_mesh(llm)
+    return llm
+
+
+def _log_to_stderr(level: int) -> None:
+    """Show jaxllama's log records of `level` and above on stderr, as plain lines that leave progress bars whole."""
+    logger = logging.getLogger("jaxllama")
+    logger.setLevel(level)
+    if not any(isinstance(h, _TqdmHandler) for h in logger.handlers):
+        logger.addHandler(_TqdmHandler())
+
+
+class _TqdmHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+def _warn_if_cpu_mesh(llm) -> None:
+    import jax
+
+    from jaxllama.core.ops import XLA
+
+    if jax.default_backend() == "cpu" and llm.mesh.size > 1 and llm.engine.ops is XLA:
+        log.warning(
+            "a mesh of %d CPU devices runs XLA's operations: the CPU kernels run on one device, several times "
+            "faster (--mesh data=1,model=1)",
+            llm.mesh.size,
+        )
+
+
+def _stops(stop) -> list[str]:
+    """--stop's strings, with their escapes read (a shell passes `\\n` as typed)."""
+    from jaxllama.cli_args import unescape
+
+    return [unescape(s) for s in _as_list(stop)]
 
 
 def _as_list(value, kind=str):
@@ -59,6 +105,7 @@ def _as_list(value, kind=str):
 
 def run(
     job: str,
+    *,
     model: str | None = None,
     output: str | None = None,
     mesh: str | None = None,
@@ -96,7 +143,8 @@ def run(
 
     Args:
       job: the JSONL job file.
-      model: a converted checkpoint folder (default: SmolLM2-135M-Instruct, converted on first use).
+      model: a checkpoint: converted, or a GGUF file, Hugging Face or Meta folder (converted once into the cache);
+        default: SmolLM2-135M-Instruct.
       output: the output JSONL file.
       mesh: device mesh, e.g. data=2,model=4 (default: chosen from the devices and the model).
       max_tokens: tokens to generate per request at most.
@@ -105,7 +153,8 @@ def run(
       top_k: sample among the k most likely tokens (0: off).
       min_p: drop tokens less likely than min_p times the most likely one.
       seed: random seed for sampling (per request, reproducible whatever shares the batch).
-      stop: a stop string (repeat --stop for more).
+      stop: a stop string, in which \\n, \\t, \\r, \\\\ and \\uXXXX stand for those characters (repeat --stop
+        for more).
       eos_id: an extra end-of-generation token id (repeatable).
       system_prompt: a system message for chat lines that have none.
       chat_template: a built-in template (llama2, llama3, chatml, raw) or a .jinja file.
@@ -138,7 +187,7 @@ def run(
         defaults = sampling_params(flags, SamplingParams())  # checked as a job line's fields are
         options = dict(chat_template=chat_template, eos_id=_as_list(eos_id, int), quantize=quantize)
         options.update(kv_cache_dtype=kv_cache_dtype, max_context=max_context)
-        settings = job_settings(model, defaults, _as_list(stop), system_prompt, **options)
+        settings = job_settings(model, defaults, _stops(stop), system_prompt, **options)
         if not overwrite:  # before the model loads: a resume with other settings is refused at once
             check_settings(Path(output) if output else default_output(job_path), settings)
         llm = _common_setup(
@@ -154,6 +203,7 @@ def run(
             decode_steps,
             quantize,
             kv_cache_dtype,
+            quiet=quiet or (process_id or int(os.environ.get("JAX_PROCESS_ID", 0))) != 0,
         )
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))
@@ -164,7 +214,7 @@ def run(
             job_path,
             Path(output) if output else None,
             defaults=defaults,
-            stop=_as_list(stop),
+            stop=_stops(stop),
             system_prompt=system_prompt,
             overwrite=overwrite,
             quiet=quiet or not main,
@@ -188,6 +238,7 @@ def run(
 
 
 def serve(
+    *,
     model: str | None = None,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -208,7 +259,8 @@ def serve(
     GET /v1/models, /health and /metrics (Prometheus). Concurrent requests share the engine's slots.
 
     Args:
-      model: a converted checkpoint folder (default: SmolLM2-135M-Instruct, converted on first use).
+      model: a checkpoint: converted, or a GGUF file, Hugging Face or Meta folder (converted once into the cache);
+        default: SmolLM2-135M-Instruct.
       host: the address to listen on.
       port: the port to listen on.
       mesh: device mesh, e.g. data=2,model=4 (default: chosen from the devices and the model).
@@ -231,6 +283,7 @@ def serve(
 
     try:
         options = {"decode_steps": decode_steps, "quantize": quantize, "kv_cache_dtype": kv_cache_dtype}
+        options["quiet"] = log_level.lower() not in ("debug", "info", "trace")
         llm = _common_setup(model, mesh, chat_template, eos_id, max_batch, max_context, None, None, None, **options)
         app = create_app(llm, model_name=served_model_name, max_queue=max_queue, max_tokens=max_tokens)
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -242,7 +295,8 @@ def info(path: str | None = None):
     """Describe a checkpoint: config, parameter count, dtype, tokenizer, chat template, end-of-generation ids.
 
     Args:
-      path: a converted checkpoint folder (default: the default model).
+      path: a checkpoint: converted, or a GGUF file, Hugging Face or Meta folder (converted once into the
+        cache); default: the default model.
     """
     from jaxllama.core.config import ModelConfig
     from jaxllama.default_model import resolve_model
@@ -250,6 +304,7 @@ def info(path: str | None = None):
     from jaxllama.text.end_of_generation import end_of_generation_ids, load_generation_config
     from jaxllama.text.tokenizer import load_tokenizer
 
+    _log_to_stderr(logging.INFO)
     try:
         folder = resolve_model(path)
         config = ModelConfig.load(folder)
@@ -272,6 +327,7 @@ def info(path: str | None = None):
 
 
 def chat(
+    *,
     model: str | None = None,
     system_prompt: str | None = None,
     max_tokens: int = 512,
@@ -286,7 +342,8 @@ def chat(
     """Chat with a model in the terminal, the reply streamed as it is generated. Ctrl-D or /exit to quit.
 
     Args:
-      model: a converted checkpoint folder (default: SmolLM2-135M-Instruct).
+      model: a checkpoint: converted, or a GGUF file, Hugging Face or Meta folder (converted once into the cache);
+        default: SmolLM2-135M-Instruct.
       system_prompt: a system message for the conversation.
       max_tokens: tokens per reply at most.
       temperature: sampling temperature; 0 is greedy.
@@ -329,31 +386,44 @@ def _fail(message: str):
     sys.exit(2)
 
 
-def _merge_repeated(argv: list[str]) -> list[str]:
-    """Fire keeps only the last of repeated flags; gather `--stop a --stop b` into one list value."""
-    values: dict[str, list[str]] = {}
-    rest = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        name, eq, value = arg.partition("=")
-        if name in REPEATABLE:
-            if not eq:
-                i += 1
-                value = argv[i] if i < len(argv) else ""
-            values.setdefault(name.replace("_", "-"), []).append(value)
-        else:
-            rest.append(arg)
-        i += 1
-    for name, vals in values.items():
-        rest.append(f"{name}={json.dumps(vals)}")
-    return rest
+COMMANDS = {"run": run, "serve": serve, "info": info, "chat": chat}
+
+# How --help and the README write the value of an argument without a default (one with a default shows it).
+METAVARS = {
+    "job": "JOB.jsonl",
+    "path": "CKPT",
+    "model": "CKPT",
+    "output": "OUT.jsonl",
+    "mesh": "data=2,model=4",
+    "seed": "S",
+    "stop": "STR",
+    "eos_id": "ID",
+    "system_prompt": "TEXT",
+    "chat_template": "NAME|FILE",
+    "max_batch": "64",
+    "max_context": "N",
+    "decode_steps": "N",
+    "max_tokens": "N",
+    "quantize": "w8a8|q8_0",
+    "kv_cache_dtype": "float16",
+    "stats_file": "stats.json",
+    "coordinator": "HOST:PORT",
+    "num_processes": "N",
+    "process_id": "I",
+    "served_model_name": "NAME",
+}
 
 
 def main(argv: list[str] | None = None):
+    from jaxllama import __version__
+    from jaxllama.cli_args import check_argv
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    argv = _merge_repeated(list(sys.argv[1:] if argv is None else argv))
-    fire.Fire({"run": run, "serve": serve, "info": info, "chat": chat}, command=argv, name="jaxllama")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = check_argv(
+        "jaxllama", COMMANDS, argv, version=__version__, metavars=METAVARS, repeatable=REPEATABLE
+    )  # exits with the usage on a command line the command cannot take, before anything loads
+    fire.Fire(COMMANDS, command=command, name="jaxllama")
 
 
 if __name__ == "__main__":
