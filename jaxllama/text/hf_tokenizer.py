@@ -53,12 +53,10 @@ class HFTokenizer(Tokenizer):
         return cls({name: (folder / name).read_text(encoding="utf-8") for name in names if (folder / name).is_file()})
 
     def _encode(self, text: str, *, allow_special: bool) -> list[int]:
-        tokenizer = self._tokenizer if allow_special else self._special_as_text
-        return tokenizer.encode(text, add_special_tokens=False).ids
+        return _encode_releasing_the_gil(self._tokenizer if allow_special else self._special_as_text, text)
 
     def _encode_text(self, text: str, *, after_special: bool) -> list[int]:
-        tokenizer = self._text_after_special if after_special else self._special_as_text
-        return tokenizer.encode(text, add_special_tokens=False).ids
+        return _encode_releasing_the_gil(self._text_after_special if after_special else self._special_as_text, text)
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special)
@@ -98,6 +96,13 @@ class HFTokenizer(Tokenizer):
         first = single[0].get("SpecialToken", {}).get("id") if single else None
         last = single[-1].get("SpecialToken", {}).get("id") if single else None
         return first, last
+
+
+def _encode_releasing_the_gil(tokenizer: tokenizers.Tokenizer, text: str) -> list[int]:
+    """`tokenizer.encode(text)`'s ids. `encode` holds the GIL while it works (seconds for megabytes of text, during
+    which no other Python thread runs: a server tokenizing on a worker thread would still stall its event loop);
+    `encode_batch` releases it, and gives the same ids."""
+    return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def _merged_config(files: dict[str, str]) -> dict[str, Any]:
