@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from jaxllama import errors as E
 from jaxllama.engine.request import SamplingParams
-from jaxllama.protocol import errors
+from jaxllama.protocol import errors, responses
 from jaxllama.protocol.pipeline import RequestPipeline
 from jaxllama.protocol.requests import REQUEST_FIELDS, SAMPLING_FIELDS, output_options, parse_body, sampling_params
 from jaxllama.text.chat_template import ChatTemplate, ChatTemplateError
@@ -59,6 +61,10 @@ def test_the_sampling_fields_are_those_of_sampling_params():
         ({"prompt": ["a", "b"]}, "completion", "invalid_request", "prompt"),
         ({"prompt": "x", "echo": True}, "completion", "invalid_parameter", "echo"),
         ({"prompt": "x", "best_of": 2}, "completion", "invalid_parameter", "best_of"),
+        # A lone surrogate (JSON's "\\udc00") is not text: no tokenizer takes it.
+        ({"messages": [{"role": "user", "content": "a\udc00"}]}, "chat", "invalid_request", "messages"),
+        ({"prompt": "\ud800"}, "completion", "invalid_request", "prompt"),
+        ({"prompt": "x", "stop": ["\udfff"]}, "completion", "invalid_request", "stop"),
     ],
 )
 def test_bad_bodies_name_the_field(body, kind, code, param):
@@ -194,3 +200,14 @@ def test_a_job_pipeline_adds_the_system_prompt_and_ignores_delivery_fields():
     assert pipeline.prepare({"messages": system}, "chat").prompt == Characters().encode("sTuhi")
     with pytest.raises(E.InvalidParameter):
         RequestPipeline(Characters(), DEFAULTS).prepare({"messages": HI, "stream": "yes"}, "chat")
+
+
+def test_log_probabilities_that_are_not_finite_are_answered_as_the_floor():
+    """JSON has no NaN nor infinity: such log-probabilities (after an extreme penalty) get a finite floor."""
+    logprobs = [-0.5, float("nan"), float("-inf"), float("inf")]
+    floor = responses.LOGPROB_FLOOR
+    chat = responses.chat_logprobs(["a", "b", "c", "d"], logprobs)
+    assert [t["logprob"] for t in chat["content"]] == [-0.5, floor, floor, floor]
+    text = responses.text_logprobs(["a", "b", "c", "d"], logprobs)
+    assert text["token_logprobs"] == [-0.5, floor, floor, floor]
+    json.dumps([chat, text], allow_nan=False)

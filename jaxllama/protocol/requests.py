@@ -9,6 +9,7 @@ The request pipeline (`jaxllama.protocol.pipeline`) calls both for the batch run
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 
 from jaxllama.engine.request import SamplingParams
@@ -54,6 +55,12 @@ def parse_body(body: dict, kind: str, defaults: SamplingParams, default_stop: li
     refused. Raises InvalidRequest, InvalidParameter or InvalidMessages."""
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    surrogate = lone_surrogate(body)
+    if surrogate is not None:
+        path, char = surrogate
+        message = f"{path}: holds {char!r}, a lone surrogate escape, which is not Unicode text"
+        field = re.split(r"[.\[ ]", path, maxsplit=1)[0]
+        raise InvalidRequest(message, None if field == "body" else field)
     for key, off in UNSUPPORTED.items():
         value = body.get(key)
         if value is not None and value != off and not (off is None and not value):
@@ -75,6 +82,26 @@ def parse_body(body: dict, kind: str, defaults: SamplingParams, default_stop: li
     stop = stop_strings(body, default_stop)
     model = body.get("model") if isinstance(body.get("model"), str) else None
     return ParsedBody(kind, messages, prompt, params, stop, model)
+
+
+def lone_surrogate(value: object) -> tuple[str, str] | None:
+    """The first string of a JSON value (a key or a value) holding a lone surrogate, which JSON's "\\udc00" escape
+    reads into a str that no tokenizer nor UTF-8 output takes: (its path, e.g. "messages[0].content", the
+    surrogate), or None. Iterative: the value may be deeply nested."""
+    stack: list[tuple[str, object]] = [("", value)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return path or "body", value[e.start]
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                stack += [(f"{path}.{key}" if path else str(key), item), (f"{path or 'body'} (a key)", key)]
+        elif isinstance(value, list):
+            stack += [(f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value)))]
+    return None
 
 
 def sampling_params(values: Mapping, defaults: SamplingParams) -> SamplingParams:

@@ -7,6 +7,7 @@ clients ignore: `stop_reason` on a choice (the stop string or token id that ende
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -95,12 +96,22 @@ def usage_chunk(kind: str, id: str, created: int, model: str, result: Result) ->
     }
 
 
+LOGPROB_FLOOR = -9999.0
+"""What a log-probability that is not a finite number (NaN or -inf, e.g. after an extreme repetition penalty) is
+answered as, whole or streamed: JSON has no NaN or infinity, and vLLM answers the same floor."""
+
+
+def finite_logprobs(logprobs: list[float]) -> list[float]:
+    """`logprobs` with every value that is not finite replaced by `LOGPROB_FLOOR`."""
+    return [float(lp) if math.isfinite(lp) else LOGPROB_FLOOR for lp in logprobs]
+
+
 def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
     """Chat `logprobs` of sampled tokens (given as text): their log-probabilities, no alternatives."""
     return {
         "content": [
             {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-            for t, lp in zip(tokens, logprobs, strict=True)
+            for t, lp in zip(tokens, finite_logprobs(logprobs), strict=True)
         ]
     }
 
@@ -111,7 +122,7 @@ def text_logprobs(tokens: list[str], logprobs: list[float], offset: int = 0) -> 
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": finite_logprobs(logprobs), "top_logprobs": None, "text_offset": offsets}
 
 
 def error(message: str, code: str | None = None, param: str | None = None, type: str = "invalid_request_error") -> dict:

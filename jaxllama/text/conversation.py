@@ -76,7 +76,7 @@ def _validate_role(where: str, message: Mapping) -> str:
 
 def _validate_content(where: str, content: object) -> str:
     if isinstance(content, str):
-        return content
+        return _unicode_text(where, content)
     if not isinstance(content, list):
         got = _describe(content)
         raise ConversationError(f"{where}: expected a string or a list of text parts, got {got}")
@@ -92,8 +92,18 @@ def _validate_content(where: str, content: object) -> str:
         text = part.get("text")
         if not isinstance(text, str):
             raise ConversationError(f"{part_where}.text: expected a string, got {_describe(text)}")
-        texts.append(text)
+        texts.append(_unicode_text(f"{part_where}.text", text))
     return TEXT_PART_SEPARATOR.join(texts)
+
+
+def _unicode_text(where: str, text: str) -> str:
+    """`text`, unless it holds a lone surrogate (JSON's "\\udc00" escape reads one): no tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        message = f"{where}: holds {text[e.start]!r}, a lone surrogate, which is not Unicode text"
+        raise ConversationError(message) from None
+    return text
 
 
 def _describe(value: object) -> str:
