@@ -196,13 +196,14 @@ def markup_specials(
     variables: Mapping[str, Any],
 ) -> list[tuple[int, int]] | None:
     """The (start, end) spans of `text` (the rendered conversation) that are the template's special tokens, when
-    some content holds special-token text; None when none does (every special token in `text` is markup).
+    some message holds special-token text (in its content, or any other string: a name, tool call arguments);
+    None when none does (every special token in `text` is markup).
 
-    The conversation is rendered again with each special-token text in the contents replaced by as many
+    The conversation is rendered again with each special-token text in the messages replaced by as many
     `_STAND_IN` characters: the special tokens of that rendering are the markup's. When the two renderings agree
     everywhere but at stand-ins (the template writes contents as they are, trimmed, cased, escaped as JSON, ...),
     its special tokens are at the same places in `text`. Otherwise ChatTemplateError is raised, rather than let a
-    content's special-token text become a special token.
+    message's special-token text become a special token.
     """
     stand_ins = [_stand_in(tokenizer, message) for message in messages]
     if all(stand_in is message for stand_in, message in zip(stand_ins, messages, strict=True)):
@@ -213,8 +214,8 @@ def markup_specials(
     ):
         index = next(i for i, (s, m) in enumerate(zip(stand_ins, messages, strict=True)) if s is not m)
         raise ChatTemplateError(
-            f"messages[{index}].content holds special-token text, and chat template {template.name!r} changes the "
-            "contents it writes so that this text cannot be told from the template's own special tokens"
+            f"messages[{index}] holds special-token text, and chat template {template.name!r} changes the message "
+            "as it writes it so that this text cannot be told from the template's own special tokens"
         )
     return tokenizer.special_spans(safe)
 
@@ -222,17 +223,23 @@ def markup_specials(
 _STAND_IN = "\ue000"  # a private-use character: no special token's text, nor whitespace a template would trim
 
 
-def _stand_in(tokenizer: Tokenizer, message: Mapping[str, Any]) -> Mapping[str, Any]:
-    """`message` with the special-token text in its content replaced by stand-ins, or itself if it has none."""
-    content = message.get("content") if isinstance(message, Mapping) else None
-    spans = tokenizer.special_spans(content) if isinstance(content, str) else []
-    if not spans:
-        return message
-    pieces, end = [], 0
-    for start, stop in spans:
-        pieces += [content[end:start], _STAND_IN * (stop - start)]
-        end = stop
-    return {**message, "content": "".join([*pieces, content[end:]])}
+def _stand_in(tokenizer: Tokenizer, value: Any) -> Any:
+    """`value` (a message, or any value in one) with the special-token text in its strings replaced by
+    stand-ins; `value` itself when it has none."""
+    if isinstance(value, str):
+        spans = tokenizer.special_spans(value)
+        pieces, end = [], 0
+        for start, stop in spans:
+            pieces += [value[end:start], _STAND_IN * (stop - start)]
+            end = stop
+        return "".join([*pieces, value[end:]]) if spans else value
+    if isinstance(value, Mapping):
+        items = {key: _stand_in(tokenizer, item) for key, item in value.items()}
+        return items if any(items[key] is not item for key, item in value.items()) else value
+    if isinstance(value, (list, tuple)):
+        items = [_stand_in(tokenizer, item) for item in value]
+        return type(value)(items) if any(a is not b for a, b in zip(items, value, strict=True)) else value
+    return value
 
 
 def read_checkpoint_template(path: str | Path) -> str | None:
