@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from jaxllama.errors import InvalidJSON, InvalidRequest, UnsupportedEndpoint
+from jaxllama.protocol.requests import lone_surrogate
 
 OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
@@ -80,30 +82,15 @@ def read_line(raw: str, number: int) -> JobLine:
     rid = obj.get("custom_id" if openai else "id") if isinstance(obj, dict) else None
     if isinstance(rid, bool) or not isinstance(rid, (str, int)):
         rid = number
-    surrogate = _lone_surrogate(obj) if "\\u" in raw else None  # only an escape can make one
+    # A lone surrogate ("\\udc00", only an escape can make one) fails its line here, even in the id or an OpenAI
+    # line's custom_id, which the request pipeline's own check (of the body) does not see.
+    surrogate = lone_surrogate(obj) if "\\u" in raw else None
     if surrogate is not None:
-        problem = InvalidJSON(f"a string holds {surrogate!r}, a lone surrogate escape, which is not Unicode text")
+        path, char = surrogate
+        field = re.split(r"[.\[ ]", path, maxsplit=1)[0]
+        problem = InvalidRequest(f"{path}: holds {char!r}, a lone surrogate escape, which is not Unicode text", field)
         return JobLine(number, rid, openai, problem=problem)
     return JobLine(number, rid, openai, obj)
-
-
-def _lone_surrogate(obj: Any) -> str | None:
-    """The first lone surrogate in the strings of a JSON value (keys too), or None. Python's json reads "\\udc00"
-    into a str that the tokenizer and the UTF-8 output cannot take. Iterative: the value may be deeply nested."""
-    stack = [obj]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as e:
-                return value[e.start]
-        elif isinstance(value, dict):
-            stack.extend(value)
-            stack.extend(value.values())
-        elif isinstance(value, list):
-            stack.extend(value)
-    return None
 
 
 def _openai_request(obj: dict) -> tuple[str, dict]:

@@ -155,8 +155,9 @@ def test_a_line_nested_past_the_recursion_limit_is_that_lines_error():
 def test_a_lone_surrogate_escape_fails_its_line_and_its_record_is_written(raw, rid, tmp_path):
     line = read_line(raw, 2)
     assert line.id == rid
-    with pytest.raises(E.InvalidJSON, match="lone surrogate"):
+    with pytest.raises(E.InvalidRequest, match="lone surrogate") as e:
         line.request()
+    assert records.failure(line, e.value)  # the line's record, written below
     out = tmp_path / "out.jsonl"
     with OrderedWriter(out, [2]) as writer:
         writer.put(2, records.failure(line, E.InvalidJSON("x")))
