@@ -4,8 +4,8 @@ They live at the bottom of the package (this module imports nothing of jaxllama)
 them: the sampling parameters and the engine (a prompt past the context), the text layer (a conversation or a chat
 template), the request pipeline (a body's fields). Only the protocol layer turns them into OpenAI error codes and
 HTTP statuses (`jaxllama.protocol.errors`), by class, never by message. The request errors are ValueErrors: a
-caller that only needs to know "this request is bad" can catch that. The last three are failures of the service
-(busy, stopped, its client gone), not of the request.
+caller that only needs to know "this request is bad" can catch that. Three are failures of the service (busy,
+stopped, its client gone), not of the request; the last, `CheckpointError`, is a bad model on disk.
 """
 
 from __future__ import annotations
@@ -67,3 +67,12 @@ class EngineUnavailable(RuntimeError):
 
 class ClientClosed(Exception):
     """The client went away before its answer was ready."""
+
+
+# Failures of the model on disk: no request can run until it is replaced.
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (a converted one, or a source to convert) that cannot be used: a missing, truncated or garbled
+    file, a config value out of range, or a config that does not match the arrays stored. The message names the
+    file and the field or tensor at fault."""
