@@ -121,7 +121,9 @@ class OpenAIHandlers:
     async def completion(self, request: Request, body: dict, kind: str) -> Response:
         """A chat or text completion: prepared, queued on the engine, then answered whole or streamed."""
         try:
-            prepared = self.pipeline.prepare(body, kind)
+            # Off the event loop: templating and tokenizing a body of megabytes takes seconds, which would stall
+            # every other connection (and /health) meanwhile.
+            prepared = await asyncio.to_thread(self.pipeline.prepare, body, kind)
             stream = RequestStream(
                 self.worker, prepared.prompt, prepared.params, prepared.stop, prepared.options.logprobs
             )
