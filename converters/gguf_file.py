@@ -16,7 +16,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from converters.layout import ConversionError
+from converters.layout import ConversionError, config_error
 from jaxllama.core.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -50,7 +50,26 @@ class GGUFSource:
         except Exception as e:
             raise ConversionError(f"{path}: cannot read as GGUF ({e})") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
+        self.config_file = path
+        self.config_names = self._config_names(self.field("general.architecture"))
         self.config = self._config()
+
+    @staticmethod
+    def _config_names(arch) -> dict[str, str]:
+        """ModelConfig's fields by the metadata keys they are read from, for messages."""
+        keys = {
+            "dim": "embedding_length",
+            "n_layers": "block_count",
+            "n_heads": "attention.head_count",
+            "n_kv_heads": "attention.head_count_kv",
+            "ffn_dim": "feed_forward_length",
+            "head_dim": "attention.key_length",
+            "norm_eps": "attention.layer_norm_rms_epsilon",
+            "rope_theta": "rope.freq_base",
+            "max_seq_len": "context_length",
+            "vocab_size": "vocab_size",
+        }
+        return {field: f"{arch}.{key}" for field, key in keys.items()} | {"rope_freq_factors": "rope_freqs.weight"}
 
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)
@@ -92,7 +111,7 @@ class GGUFSource:
         except TypeError:
             raise ConversionError(f"{self.path}: required {arch}.* metadata is missing") from None
         except ValueError as e:
-            raise ConversionError(f"{self.path}: {e}") from None
+            raise config_error(str(self.path), e, self.config_names) from None
 
     def _key(self, name: str) -> str:
         if name == "embedding":
@@ -106,6 +125,11 @@ class GGUFSource:
 
     def locate(self, name: str) -> str:
         return f"{self.path}: {self._key(name)}"
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        t = self.tensors.get(self._key(name))
+        # GGUF lists dimensions fastest-first; row-major numpy order is the reverse.
+        return None if t is None else tuple(int(d) for d in reversed(t.shape))
 
     def _dequantize(self, key: str) -> np.ndarray:
         t = self.tensors.get(key)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from converters.layout import ConversionError, unpermute_rotary
+from converters.layout import ConversionError, config_error, unpermute_rotary
 from jaxllama.core.config import ModelConfig, RopeScaling
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -37,6 +37,22 @@ _LAYER_KEYS = {
     "attention_norm": "input_layernorm",
     "mlp_norm": "post_attention_layernorm",
 }
+# ModelConfig's fields by the names config.json gives them, for messages.
+CONFIG_NAMES = {
+    "vocab_size": "vocab_size",
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "ffn_dim": "intermediate_size",
+    "head_dim": "head_dim",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "rope_scaling": "rope_scaling",
+    "max_seq_len": "max_position_embeddings",
+    "tie_embeddings": "tie_word_embeddings",
+    "dtype": "torch_dtype",
+}
 
 
 def is_hf(path: Path) -> bool:
@@ -51,23 +67,32 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
             f"{where}: unsupported architecture {archs[0] if archs else cfg.get('model_type')!r} "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    if cfg.get("sliding_window") and cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
+    window, positions = cfg.get("sliding_window"), cfg.get("max_position_embeddings")
+    if isinstance(window, int) and isinstance(positions, int) and window < positions:
         raise ConversionError(f"{where}: sliding-window attention is not supported")
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
             raise ConversionError(f"{where}: {key}=true is not supported")
-    rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5
-    rope.update(cfg.get("rope_scaling") or {})
+    try:
+        rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5
+        rope.update(cfg.get("rope_scaling") or {})
+    except (TypeError, ValueError):
+        raise ConversionError(f"{where}: rope_parameters and rope_scaling must be objects") from None
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
     scaling = None
     if kind == "llama3":
-        scaling = RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
+        try:
+            scaling = RopeScaling(
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            )
+        except KeyError as e:
+            raise ConversionError(f"{where}: rope_scaling: field {e.args[0]!r} is missing") from None
+        except (TypeError, ValueError) as e:
+            raise ConversionError(f"{where}: rope_scaling: {e}") from None
     elif kind != "default":
         raise ConversionError(f"{where}: rope scaling type {kind!r} is not supported (supported: llama3)")
     try:
@@ -80,7 +105,7 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
             ffn_dim=cfg["intermediate_size"],
             head_dim=cfg.get("head_dim"),
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope_scaling=scaling,
             max_seq_len=cfg.get("max_position_embeddings", 4096),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -89,7 +114,7 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
     except KeyError as e:
         raise ConversionError(f"{where}: field {e.args[0]!r} is missing") from None
     except ValueError as e:
-        raise ConversionError(f"{where}: {e}") from None
+        raise config_error(where, e, CONFIG_NAMES) from None
 
 
 class HFSource:
@@ -97,19 +122,23 @@ class HFSource:
 
     def __init__(self, path: Path):
         self.path = path
-        config_file = path / "config.json"
-        try:
-            self.config = config_from_hf(json.loads(config_file.read_text()), str(config_file))
-        except ValueError as e:
-            raise ConversionError(f"{config_file}: not valid JSON ({e})") from None
-        self.files = self._weight_map()
+        self.config_file = path / "config.json"
+        self.config_names = CONFIG_NAMES
+        cfg = _read_json(self.config_file)
+        if not isinstance(cfg, dict):
+            raise ConversionError(f"{self.config_file}: expected a JSON object")
+        self.config = config_from_hf(cfg, str(self.config_file))
+        self.files, self.shapes = self._headers(self._weight_files())
 
-    def _weight_map(self) -> dict[str, Path]:
+    def _weight_files(self) -> list[Path]:
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = {name: self.path / f for name, f in weight_map.items()}
-            for f in sorted(set(files.values())):
+            weight_map = _read_json(index)
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            if not isinstance(weight_map, dict):
+                raise ConversionError(f"{index}: no weight_map object")
+            files = sorted({self.path / str(f) for f in weight_map.values()})
+            for f in files:
                 if not f.is_file():
                     raise ConversionError(f"{index}: lists {f.name}, which is missing")
             return files
@@ -119,8 +148,22 @@ class HFSource:
                 f"{self.path}: no model.safetensors or model.safetensors.index.json "
                 "(only safetensors weights are supported)"
             )
-        with safe_open(single, "numpy") as f:
-            return {name: single for name in f.keys()}
+        return [single]
+
+    @staticmethod
+    def _headers(files: list[Path]) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
+        """Each tensor's file and shape, from the files' headers. Opening a file checks its header against the
+        bytes that follow (every tensor's shape, dtype and offsets within the data), so a truncated, garbled or
+        lying file is refused here, by name, before anything is converted."""
+        where, shapes = {}, {}
+        for file in files:
+            try:
+                with safe_open(file, "numpy") as f:
+                    for key in f.keys():
+                        where[key], shapes[key] = file, tuple(f.get_slice(key).get_shape())
+            except Exception as e:  # safetensors raises its own SafetensorError, and OSError
+                raise ConversionError(f"{file}: not a valid safetensors file ({e})") from None
+        return where, shapes
 
     def _key(self, name: str) -> str:
         if name == "embedding":
@@ -135,6 +178,9 @@ class HFSource:
     def locate(self, name: str) -> str:
         key = self._key(name)
         return f"{self.files.get(key, self.path)}: {key}"
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        return self.shapes.get(self._key(name))
 
     def read(self, name: str) -> np.ndarray:
         key = self._key(name)
@@ -157,3 +203,10 @@ class HFSource:
 
     def extra_files(self) -> dict[str, Path]:
         return {n: self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()}
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConversionError(f"{path}: not valid JSON ({e})") from None

@@ -13,13 +13,44 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxllama.core.config import ModelConfig
+from jaxllama.core.config import ConfigError, ModelConfig
+from jaxllama.errors import CheckpointError
 
 LAYER_TENSORS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "attention_norm", "mlp_norm")
 
 
-class ConversionError(Exception):
+class ConversionError(CheckpointError):
     """A problem with the source checkpoint, in the user's terms (file and tensor)."""
+
+
+def config_error(where: str, e: ValueError, names: dict[str, str]) -> ConversionError:
+    """A ModelConfig value refused, told with the source's own name for the field (`names`: ours -> theirs)."""
+    if isinstance(e, ConfigError):
+        return ConversionError(f"{where}: {names.get(e.field, e.field)}: {e.problem}")
+    return ConversionError(f"{where}: {e}")
+
+
+def check_source(source, config: ModelConfig) -> None:
+    """Compare the config with the tensors the source holds, from their shapes alone (nothing is read), before
+    anything is allocated or written: a config that says 10^6 layers, or a width its embedding does not have,
+    is refused naming the field instead of being converted for hours.
+
+    `source` gives `shape(name)` (a canonical tensor's shape in Meta's layout, None when absent),
+    `locate(name)`, `config_file` and `config_names` (our config field -> the source's name for it)."""
+    held = 0
+    while source.shape(f"layers_{held}/wq") is not None:
+        held += 1
+    if held != config.n_layers:
+        field = source.config_names.get("n_layers", "n_layers")
+        raise ConversionError(f"{source.config_file}: {field} is {config.n_layers}, but the weights hold {held} layers")
+    for name in (n for group in canonical_names(config) for n in group):
+        shape, expected = source.shape(name), expected_shape(name, config)
+        if shape is None:
+            raise ConversionError(f"{source.locate(name)}: missing")
+        if tuple(shape) != expected:
+            raise ConversionError(
+                f"{source.locate(name)}: shape {tuple(shape)}, expected {expected} from the model's config"
+            )
 
 
 def to_params(name: str, w: np.ndarray, config: ModelConfig) -> tuple[str, np.ndarray]:

@@ -18,12 +18,13 @@ from tqdm import tqdm
 
 from converters.gguf_file import GGUFSource, is_gguf
 from converters.hf import HFSource, is_hf
-from converters.layout import ConversionError, canonical_names, expected_shape, to_params
+from converters.layout import ConversionError, canonical_names, check_source, to_params
 from converters.meta import MetaSource, is_meta
 from jaxllama.core.checkpoint import CheckpointWriter
+from jaxllama.core.config import STORAGE_DTYPES as DTYPES
+from jaxllama.errors import CheckpointError
 
 SOURCES = {"meta": (MetaSource, is_meta), "hf": (HFSource, is_hf), "gguf": (GGUFSource, is_gguf)}
-DTYPES = ("bfloat16", "float32", "float16")
 
 
 def open_source(src: str | Path, format: str | None = None):
@@ -52,24 +53,20 @@ def convert(
     overwrite: bool = False,
     progress: bool = True,
 ) -> Path:
-    """Convert SRC into a checkpoint folder OUT; returns OUT. Raises ConversionError on bad input."""
+    """Convert SRC into a checkpoint folder OUT; returns OUT. Raises ConversionError (a CheckpointError) on bad
+    input, FileExistsError when OUT exists."""
     source = open_source(src, format)
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     config = dataclasses.replace(source.config, dtype=dtype or _storage_dtype(source.config.dtype))
+    check_source(source, config)
     groups = canonical_names(config)
     bar = tqdm(total=sum(map(len, groups)), unit="tensor", desc=f"converting {Path(src).name}", disable=not progress)
     with bar, CheckpointWriter(out, config, overwrite=overwrite) as writer:
         for group in groups:
             tensors = {}
             for name in group:
-                w = source.read(name)
-                if tuple(w.shape) != expected_shape(name, config):
-                    raise ConversionError(
-                        f"{source.locate(name)}: shape {tuple(w.shape)}, "
-                        f"expected {expected_shape(name, config)} from the model's config"
-                    )
-                key, value = to_params(name, w, config)
+                key, value = to_params(name, source.read(name), config)  # shapes checked by check_source
                 tensors[key] = value
                 bar.update()
             writer.write(tensors)
@@ -99,7 +96,7 @@ def main(src: str, out: str, dtype: str | None = None, format: str | None = None
     """
     try:
         convert(src, out, dtype=dtype, format=format, overwrite=overwrite)
-    except (ConversionError, FileExistsError) as e:
+    except (CheckpointError, OSError) as e:  # bad input, or OUT not writable: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     print(f"wrote {out}", file=sys.stderr)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from converters.layout import ConversionError
+from converters.layout import ConversionError, config_error
 from jaxllama.core.config import ModelConfig, RopeScaling
 
 _COLUMN_PARALLEL = {
@@ -65,8 +65,13 @@ class MetaSource:
         params_file = path / "params.json"
         try:
             params = json.loads(params_file.read_text())
-        except ValueError as e:
+        except (OSError, UnicodeDecodeError, ValueError) as e:
             raise ConversionError(f"{params_file}: not valid JSON ({e})") from None
+        if not isinstance(params, dict):
+            raise ConversionError(f"{params_file}: expected a JSON object")
+        self.config_file = params_file
+        # Fields params.json does not have come from the shapes of these tensors.
+        self.config_names = {"vocab_size": "tok_embeddings.weight", "ffn_dim": "layers.0.feed_forward.w1.weight"}
         self.config = self._config(params, params_file)
 
     def _tensor(self, shard: int, key: str):
@@ -84,17 +89,17 @@ class MetaSource:
         # Split on the vocabulary (Llama 3) when each shard keeps the full width, else on the width.
         vocab = sum(s[0] for s in emb) if emb[0][1] == dim else emb[0][0]
         ffn_dim = sum(self._tensor(i, "layers.0.feed_forward.w1.weight").shape[0] for i in range(len(self.shards)))
-        scaling = None
-        if params.get("use_scaled_rope"):
-            scaling = RopeScaling(
-                factor=float(params.get("rope_scaling_factor", 8.0)),
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=8192,
-            )
-        default_ctx = 131072 if scaling else (8192 if vocab >= 128000 else 4096)
         dtype = str(self._tensor(0, "tok_embeddings.weight").dtype).removeprefix("torch.")
         try:
+            scaling = None
+            if params.get("use_scaled_rope"):
+                scaling = RopeScaling(
+                    factor=float(params.get("rope_scaling_factor", 8.0)),
+                    low_freq_factor=1.0,
+                    high_freq_factor=4.0,
+                    original_max_position_embeddings=8192,
+                )
+            default_ctx = 131072 if scaling else (8192 if vocab >= 128000 else 4096)
             return ModelConfig(
                 vocab_size=vocab,
                 dim=dim,
@@ -109,8 +114,8 @@ class MetaSource:
                 tie_embeddings="output.weight" not in self.shards[0],
                 dtype=dtype,
             )
-        except ValueError as e:
-            raise ConversionError(f"{params_file}: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise config_error(str(params_file), e, self.config_names) from None
 
     def _merged(self, key: str, axis: int | None):
         parts = [self._tensor(i, key) for i in range(len(self.shards))]
@@ -120,6 +125,16 @@ class MetaSource:
 
     def locate(self, name: str) -> str:
         return f"{self.path}: {self._key(name)[0]}"
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The merged tensor's shape, from the shards' shapes (nothing is read)."""
+        key, axis = self._key(name)
+        if key not in self.shards[0]:
+            return None
+        shapes = [tuple(self._tensor(i, key).shape) for i in range(len(self.shards))]
+        if axis is None or len(shapes) == 1:
+            return shapes[0]
+        return tuple(sum(s[d] for s in shapes) if d == axis else shapes[0][d] for d in range(len(shapes[0])))
 
     def _key(self, name: str) -> tuple[str, int | None]:
         if name == "embedding":
