@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from converters.llama import convert
+from jaxllama.batch import records
 from tests.factories import write_chat_gguf
 
 REPO = Path(__file__).resolve().parents[2]
@@ -140,52 +141,109 @@ def test_stop_strings_and_per_line_parameters(tiny_chat, tmp_path):
     assert t["usage"]["completion_tokens"] == 3 and t["finish_reason"] == "length"
 
 
-def test_resume_after_kill_loses_and_duplicates_nothing(tiny_chat, tmp_path):
-    lines = [{"id": f"r{i}", "prompt": f"the {i}", "max_tokens": 24, "temperature": 0} for i in range(24)]
-    full = write_job(tmp_path / "full.jsonl", lines)
-    assert jaxllama("run", full, "--model", tiny_chat, "--max-batch", "2").returncode == 0
-    expected = read(tmp_path / "full.out.jsonl")
-
-    job = write_job(tmp_path / "job.jsonl", lines)
-    out = tmp_path / "job.out.jsonl"
+def start_job(job: Path, model: Path, *args) -> subprocess.Popen:
     env = {**os.environ, "JAXLLAMA_CACHE": os.environ.get("JAXLLAMA_TEST_CACHE", "")}
     env = {k: v for k, v in env.items() if v != ""}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jaxllama.cli",
-            "run",
-            str(job),
-            "--model",
-            str(tiny_chat),
-            "--max-batch",
-            "2",
-            "--quiet",
-        ],
-        cwd=REPO,
-        env=env,
-    )
-    deadline = time.time() + 300
-    while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 3):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    partial = out.read_text().splitlines()
-    assert 3 <= len(partial) < len(lines)
+    command = [sys.executable, "-m", "jaxllama.cli", "run", str(job), "--model", str(model), *args]
+    return subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_lines(path: Path, n: int, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and (not path.exists() or len(path.read_text().splitlines()) < n):
+        time.sleep(0.1)
+
+
+def without_timings(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "timings"} for r in records]
+
+
+def test_resume_after_ctrl_c_or_kill_loses_and_duplicates_nothing(tiny_chat, tmp_path):
+    # max_tokens growing along the job: longest first runs the last lines first, so that finished lines wait in
+    # the journal, not yet in the output
+    lines = [{"id": f"r{i}", "prompt": f"the {i}", "max_tokens": 8 + i, "temperature": 0} for i in range(24)]
+    full = write_job(tmp_path / "full.jsonl", lines)
+    assert jaxllama("run", full, "--model", tiny_chat, "--max-batch", "2").returncode == 0
+    expected = without_timings(read(tmp_path / "full.out.jsonl"))
+
+    job = write_job(tmp_path / "job.jsonl", lines)
+    out, journal = tmp_path / "job.out.jsonl", tmp_path / "job.out.jsonl.journal"
+    proc = start_job(job, tiny_chat, "--max-batch", "2", "--quiet")
+    wait_for_lines(journal, 3)
+    proc.send_signal(signal.SIGINT)
+    stderr = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "run the same command again to resume" in stderr
+    done = int(stderr.split("interrupted: ")[1].split(" of 24 lines done")[0])
+    assert done >= 3 and len(read(out)) < done  # the output waits for the first lines; the journal holds the rest
+
+    proc = start_job(job, tiny_chat, "--max-batch", "2", "--quiet")
+    wait_for_lines(journal, done + 3)
+    proc.kill()
+    proc.communicate()
+    assert len(read(out)) < len(lines)
     with open(out, "a") as f:
         f.write('{"id": "r99", "text": "trunc')  # a line cut by the kill
+    with open(journal, "a") as f:
+        f.write('{"id": "r98", "te')
 
     assert jaxllama("run", job, "--model", tiny_chat, "--max-batch", "2").returncode == 0
     resumed = read(out)
-    strip = [{k: v for k, v in r.items() if k != "timings"} for r in resumed]
-    assert [r["id"] for r in resumed] == [r["id"] for r in expected]
-    assert strip == [{k: v for k, v in r.items() if k != "timings"} for r in expected]
+    assert without_timings(resumed) == expected and not journal.exists()
 
     again = jaxllama("run", job, "--model", tiny_chat)  # everything done: nothing runs, nothing is appended
     assert again.returncode == 0 and "24 already done" in again.stderr and read(out) == resumed
     assert jaxllama("run", job, "--model", tiny_chat, "--overwrite", "--max-batch", "2").returncode == 0
     assert [r["id"] for r in read(out)] == [r["id"] for r in expected]
+
+
+def test_failed_lines_run_again_on_resume_and_settings_must_match(tiny_chat, tmp_path):
+    bad = {"id": "b", "prompt": "the dog", "max_tokens": 4, "temperature": 0, "top_p": 1.5}
+    lines = [GOOD[1], bad, {"id": "c", "prompt": "in the", "max_tokens": 3, "temperature": 0}]
+    job = write_job(tmp_path / "job.jsonl", lines)
+    out = tmp_path / "job.out.jsonl"
+    assert jaxllama("run", job, "--model", tiny_chat).returncode == 1
+    first = read(out)
+    assert [r["id"] for r in first] == ["plain", "b", "c"] and first[1]["error"]["code"] == "invalid_parameter"
+
+    kept = jaxllama("run", job, "--model", tiny_chat, "--no-retry-errors")  # nothing runs; the job still failed
+    assert kept.returncode == 1 and "3 already done (1 of them failed)" in kept.stderr and read(out) == first
+
+    write_job(job, [GOOD[1], {**bad, "top_p": 1}, lines[2]])  # the line fixed
+    fixed = jaxllama("run", job, "--model", tiny_chat)
+    assert fixed.returncode == 0 and "retrying 1 that failed" in fixed.stderr, fixed.stderr
+    again = read(out)
+    assert [r["id"] for r in again] == ["plain", "b", "c"] and again[0] == first[0] and again[2] == first[2]
+    assert "text" in again[1] and again[1]["usage"]["completion_tokens"] <= 4
+
+    for other in (["--model", tiny_chat, "--system-prompt", "be brief"], ["--model", tmp_path / "other"]):
+        proc = jaxllama("run", job, *other)  # refused before the model loads (the other one does not exist)
+        assert proc.returncode == 2 and "written with other settings" in proc.stderr and read(out) == again
+    assert jaxllama("run", job, "--model", tiny_chat, "--system-prompt", "be brief", "--overwrite").returncode == 0
+
+
+def test_the_worst_lines_cost_only_themselves(tiny_chat, tmp_path):
+    plain = {"prompt": "the cat", "max_tokens": 2, "temperature": 0}
+    raw = [
+        json.dumps({"id": "sep", **plain, "prompt": "a\u2028b\u2029c\u0085d"}, ensure_ascii=False).encode(),
+        b"[" * 100_000,
+        rb'{"id": "surrogate", "prompt": "scraped \udc00"}',
+        rb'{"id": "id\udc00", "prompt": "x"}',
+        rb'{"custom_id": "oa", "url": "/v1/completions", "body": {"model": "\udc00", "prompt": "x"}}',
+        b'{"id": "latin-1", "prompt": "caf\xe9"}',
+        json.dumps({"id": "crlf", **plain}).encode() + b"\r",
+    ]
+    job = tmp_path / "job.jsonl"
+    job.write_bytes(b"\xef\xbb\xbf" + b"\n".join(raw) + b"\n")
+    for _ in range(2):  # and again: a rerun retries the bad lines, which fail the same way
+        proc = jaxllama("run", job, "--model", tiny_chat)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        out = [json.loads(x) for x in (tmp_path / "job.out.jsonl").read_text(encoding="utf-8").splitlines()]
+        assert [records.record_id(r) for r in out] == ["sep", 2, "surrogate", "id\udc00", "oa", 6, "crlf"]
+        assert "text" in out[0] and "text" in out[-1]
+        codes = [r["error"]["code"] for r in out[1:4] + out[5:6]] + [out[4]["response"]["body"]["error"]["code"]]
+        assert codes == ["invalid_json", "invalid_request", "invalid_request", "invalid_json", "invalid_request"]
+        assert out[3]["error"]["message"].startswith("id: holds '\\udc00', a lone surrogate")
 
 
 def test_unreadable_job_or_model_fails_at_once(tiny_chat, tmp_path):
