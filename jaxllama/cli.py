@@ -17,7 +17,7 @@ import fire
 
 from jaxllama.engine.request import SamplingParams
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("jaxllama.cli")  # not __name__: run as a program, that is __main__
 
 REPEATABLE = ("stop", "eos_id")  # flags given once per value
 
@@ -62,9 +62,11 @@ def _common_setup(
 
 
 def _log_to_stderr(level: int) -> None:
-    """Show jaxllama's log records of `level` and above on stderr, as plain lines that leave progress bars whole."""
+    """Show jaxllama's log records of `level` and above on stderr, as plain lines that leave progress bars whole, and
+    only there (not also through a handler that a library put on the root logger)."""
     logger = logging.getLogger("jaxllama")
     logger.setLevel(level)
+    logger.propagate = False
     if not any(isinstance(h, _TqdmHandler) for h in logger.handlers):
         logger.addHandler(_TqdmHandler())
 

@@ -135,7 +135,7 @@ def test_a_gguf_model_a_relative_checkpoint_a_smaller_mesh_and_what_a_cold_start
     assert first.returncode == 0, first.stderr
     (converted,) = (cache / "models").iterdir()
     for said in (f"converting {gguf}", f"loading {converted}", "compiling the engine's programs", "2 CPU devices"):
-        assert said in first.stderr
+        assert said in first.stderr, first.stderr
     text = json.loads((tmp_path / "job.out.jsonl").read_text())["text"]
     assert len(text) >= 4
     stop = "".join(f"\\u{ord(c):04x}" for c in text[2:4])
