@@ -10,6 +10,8 @@ restore itself (a truncated data file) come out of `restore_errors` as one Check
 from __future__ import annotations
 
 import contextlib
+import gc
+import logging
 import warnings
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from jaxllama.errors import CheckpointError
 
 def stored_arrays(params_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """{'layers_0/attention/wq': (shape, dtype name)} for every array of an Orbax checkpoint, from its metadata."""
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _held_logs(params_dir) as held:
         warnings.simplefilter("ignore")
         import orbax.checkpoint.experimental.v1 as ocp
 
@@ -28,12 +30,17 @@ def stored_arrays(params_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
             tree = ocp.pytree_metadata(params_dir).metadata
         except Exception as e:  # Orbax raises many kinds for a missing or garbled metadata file
             raise CheckpointError(f"{params_dir}: cannot read Orbax's metadata ({_first_line(e)})") from None
+        if tree is None:  # Orbax logs why (a data file missing or truncated) and returns None
+            why = held.messages[-1].rpartition("Error details: ")[2] if held.messages else "no details"
+            raise CheckpointError(f"{params_dir}: cannot read Orbax's metadata ({_first_line(why)})")
     flat = {}
 
     def walk(node, prefix):
         if isinstance(node, dict):
             for key, child in node.items():
                 walk(child, f"{prefix}{key}/")
+        elif node is None:
+            raise CheckpointError(f"{params_dir}: cannot read the metadata of {prefix[:-1]}")
         else:
             flat[prefix[:-1]] = (tuple(int(d) for d in node.shape), str(node.dtype))
 
@@ -80,11 +87,55 @@ def check_stored(config: ModelConfig, config_file: Path, params_dir: Path) -> No
 def restore_errors(params_dir: Path):
     """Turn a failed restore (a truncated or missing data file) into one CheckpointError naming the checkpoint."""
     try:
-        yield
+        with _held_logs(params_dir):
+            yield
     except (CheckpointError, MemoryError):
         raise
     except Exception as e:  # Orbax and TensorStore raise their own kinds, with the file in the message
         raise CheckpointError(f"{params_dir}: cannot restore ({_first_line(e)})") from None
+
+
+class _Held(logging.Filter):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.messages.append(record.getMessage())
+        return False
+
+
+class _About(logging.Filter):
+    """Drops the records that mention a path."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = str(path)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.path not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _held_logs(params_dir: Path):
+    """Hold back what Orbax (through absl) and asyncio log while a checkpoint is read; the caller reports a failure
+    once. Orbax reads each array in an asyncio task of its own: when a data file is damaged every array in it fails,
+    and asyncio logs each failure nobody awaited as a traceback ("Task exception was never retrieved"), dozens for
+    one file, when the task is collected. Tasks still in flight when Orbax gives up fail later, so after a failure
+    asyncio's records about this checkpoint stay dropped."""
+    held = _Held()
+    loggers = [logging.getLogger("absl"), logging.getLogger("asyncio")]
+    for log in loggers:
+        log.addFilter(held)
+    try:
+        yield held
+    except BaseException:
+        logging.getLogger("asyncio").addFilter(_About(params_dir))
+        gc.collect()
+        raise
+    finally:
+        for log in loggers:
+            log.removeFilter(held)
 
 
 def _first_line(e: Exception) -> str:
