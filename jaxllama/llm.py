@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllama import backends
-from jaxllama.core.checkpoint import load_checkpoint, runtime_dtype
+from jaxllama.core.checkpoint import load_checkpoint, load_config, runtime_dtype
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import forward, sequence_logits
 from jaxllama.core.sharding import make_mesh
@@ -107,7 +107,7 @@ class LLM:
         if compilation_cache:
             enable_compilation_cache()
         path = resolve_model(path)
-        config = ModelConfig.load(path)
+        config = load_config(path)  # checked against the arrays stored, before its sizes are trusted
         mesh = make_mesh(config, mesh, param_bytes=config.n_params * 4)
         dtype = jnp.dtype(dtype or runtime_dtype(mesh.devices.flat[0].platform))
         ops = backends.choose(mesh, dtype, kernel_dir(), quantize=quantize)

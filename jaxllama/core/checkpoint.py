@@ -76,6 +76,16 @@ def _check_format(path: Path) -> None:
         )
 
 
+def load_config(path: str | Path) -> ModelConfig:
+    """The config of a converted checkpoint, checked against the arrays stored (their number, shapes and dtypes,
+    from Orbax's metadata) before anything of the size it says is built or restored; CheckpointError if not."""
+    path = Path(path)
+    _check_format(path)
+    config = ModelConfig.load(path)
+    check_stored(config, path / CONFIG_FILE, path / PARAMS_DIR)
+    return config
+
+
 def load_checkpoint(path: str | Path, mesh: Mesh | None = None, dtype=None, prepare=None) -> tuple[ModelConfig, dict]:
     """Restore (config, params) from a converted checkpoint, a part at a time: the params outside the layers, then
     each layer.
@@ -86,9 +96,7 @@ def load_checkpoint(path: str | Path, mesh: Mesh | None = None, dtype=None, prep
     (a backend's `Ops.prepare`), so that weights a backend replaces (packs, quantizes) are never all held twice.
     """
     path = Path(path)
-    _check_format(path)
-    config = ModelConfig.load(path)
-    check_stored(config, path / CONFIG_FILE, path / PARAMS_DIR)  # before building anything of its size
+    config = load_config(path)
     dtype = jnp.dtype(dtype or runtime_dtype())
     stored = abstract_params(config, config.dtype, mesh)
     if mesh is None:

@@ -22,6 +22,7 @@ from jaxllama.errors import CheckpointError
 
 def stored_arrays(params_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """{'layers_0/attention/wq': (shape, dtype name)} for every array of an Orbax checkpoint, from its metadata."""
+    _check_readable(params_dir)
     with warnings.catch_warnings(), _held_logs(params_dir) as held:
         warnings.simplefilter("ignore")
         import orbax.checkpoint.experimental.v1 as ocp
@@ -81,6 +82,26 @@ def check_stored(config: ModelConfig, config_file: Path, params_dir: Path) -> No
             f"{params_dir}: holds {extra[0]}, which the model of {config_file} does not have"
             + (" (tie_embeddings is true)" if extra[0] == "output" else "")
         )
+
+
+def _check_readable(params_dir: Path) -> None:
+    """Read each array's metadata record (`NAME/zarr.json`) from the OCDBT stores Orbax writes, one at a time.
+
+    Orbax reads them all at once, each in an asyncio task: when a data file is missing or truncated it gives up at
+    the first failure and closes its event loop while the other reads are in flight, and those then print
+    "RuntimeError: Event loop is closed" tracebacks from TensorStore's threads. Read here first, in order, a
+    damaged file fails once, by name. A layout other than this one is left to Orbax."""
+    import tensorstore as ts
+
+    for manifest in sorted(params_dir.glob("*/manifest.ocdbt")):
+        try:
+            store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{manifest.parent}/"}).result()
+            keys = [k.decode() for k in store.list().result()]
+            for key in keys:
+                if key.endswith("/zarr.json"):
+                    store.read(key).result()
+        except ValueError as e:  # TensorStore's errors name the file and the byte range it could not read
+            raise CheckpointError(f"{params_dir}: cannot read {manifest.parent.name}/ ({_first_line(e)})") from None
 
 
 @contextlib.contextmanager

@@ -75,6 +75,26 @@ def test_a_config_of_a_million_layers_is_refused_from_the_stored_metadata(copy):
 @pytest.mark.parametrize(
     "fields, message",
     [
+        ({"n_layers": 10**6}, r"n_layers is 1000000, but .*params holds 2 layers"),
+        (
+            dict(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336, vocab_size=128256),
+            r"vocab_size is 128256 and dim 4096, but .*params holds an embedding of shape \(264, 64\)",
+        ),
+    ],
+)
+def test_llm_load_trusts_no_size_the_stored_arrays_contradict(copy, fields, message):
+    """Before the mesh, the backend or the memory check act on the config's sizes (which would call a tiny model
+    with an 8B config "too large for the machine")."""
+    from jaxllama import LLM
+
+    edit_config(copy, **fields)
+    with pytest.raises(CheckpointError, match=message):
+        LLM.load(copy, max_slots=1, compilation_cache=False)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
         ({"dim": 128, "head_dim": 16}, r"vocab_size is 264 and dim 128, but .*params holds an embedding of shape"),
         ({"ffn_dim": 128}, r"does not match .*params: layers_0/mlp/w1 is stored with shape \(96, 64\), .* \(128, 64\)"),
         ({"n_kv_heads": 4}, r"layers_0/attention/wk is stored with shape \(2, 8, 64\), the config gives \(4, 8, 64\)"),
@@ -101,8 +121,8 @@ def test_a_damaged_data_file_is_refused_naming_it(copy, damage):
             f.write_bytes(f.read_bytes()[:10])
         else:
             f.unlink()
-    # Orbax reads each array's metadata from the data files: the damage is found there, before a restore.
-    with pytest.raises(CheckpointError, match=r"params: cannot (read Orbax's metadata|restore) \(.*/d/") as e:
+    # Each array's metadata is read from the data files: the damage is found there, before a restore.
+    with pytest.raises(CheckpointError, match=r"params: cannot (read|restore) .*\(.*/d/") as e:
         load_checkpoint(copy)
     assert "tensorstore_spec" not in str(e.value)
 

@@ -3,8 +3,7 @@ backend as it comes, and a model too large for the machine is refused before any
 
 from __future__ import annotations
 
-import json
-import shutil
+import types
 
 import jax
 import numpy as np
@@ -12,8 +11,8 @@ import pytest
 
 from jaxllama import LLM
 from jaxllama.backends.cpu.ops import CpuOps
-from jaxllama.core.checkpoint import CONFIG_FILE, load_checkpoint
-from jaxllama.core.config import ModelConfig
+from jaxllama.core.checkpoint import load_checkpoint
+from jaxllama.engine import memory
 from jaxllama.engine.memory import ModelTooLarge
 
 
@@ -43,13 +42,10 @@ def test_a_loaded_model_holds_its_weights_once_as_its_backend_runs_them(tiny_cha
     assert reply.token_ids == np.argmax(logits[len(llm.encode("The")) - 1 : -1], axis=-1).tolist()
 
 
-def test_a_model_too_large_for_the_machine_is_refused_before_loading(tiny_chat_checkpoint, tmp_path):
-    """An 8B-shaped config over the tiny model's files: refused from its config alone, naming the bytes."""
-    huge = tmp_path / "huge"
-    shutil.copytree(tiny_chat_checkpoint, huge)
-    config = json.loads((huge / CONFIG_FILE).read_text())
-    config.update(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336 * 64, vocab_size=128256)
-    (huge / CONFIG_FILE).write_text(json.dumps(config))
-    ModelConfig.load(huge)  # a valid config: only its size is wrong for this machine
+def test_a_model_too_large_for_the_machine_is_refused_before_loading(tiny_chat_checkpoint, monkeypatch):
+    """The tiny model on a machine with 1 MiB available: refused before anything is restored, naming the bytes.
+    (A config that makes the model larger than its files are is refused as a CheckpointError, before this check:
+    see tests/core/test_checkpoint_errors.py.)"""
+    monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1 << 20))
     with pytest.raises(ModelTooLarge, match=r"needs about \d+\.\d GiB .* is \d+\.\d GiB"):
-        LLM.load(huge, max_slots=1, compilation_cache=False)
+        LLM.load(tiny_chat_checkpoint, max_slots=1, compilation_cache=False)
