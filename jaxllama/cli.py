@@ -16,10 +16,13 @@ import sys
 import fire
 
 from jaxllama.engine.request import SamplingParams
+from jaxllama.errors import ModelTooLarge
 
 log = logging.getLogger("jaxllama.cli")  # not __name__: run as a program, that is __main__
 
 REPEATABLE = ("stop", "eos_id")  # flags given once per value
+# What loading a model may fail with that is the user's to fix (a path, a checkpoint, the memory): one error line.
+LOAD_ERRORS = (ValueError, OSError, ModelTooLarge)
 
 
 def _common_setup(
@@ -207,7 +210,7 @@ def run(
             kv_cache_dtype,
             quiet=quiet or (process_id or int(os.environ.get("JAX_PROCESS_ID", 0))) != 0,
         )
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except LOAD_ERRORS as e:
         _fail(str(e))
     main = is_main_process()
     try:
@@ -288,7 +291,7 @@ def serve(
         options["quiet"] = log_level.lower() not in ("debug", "info", "trace")
         llm = _common_setup(model, mesh, chat_template, eos_id, max_batch, max_context, None, None, None, **options)
         app = create_app(llm, model_name=served_model_name, max_queue=max_queue, max_tokens=max_tokens)
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except LOAD_ERRORS as e:
         _fail(str(e))
     uvicorn.run(app, host=host, port=int(port), log_level=log_level)
 
@@ -315,7 +318,7 @@ def info(path: str | None = None):
         eos = end_of_generation_ids(
             tok, generation_config=load_generation_config(folder), template_text=template.source
         )
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except LOAD_ERRORS as e:
         _fail(str(e))
     print(f"checkpoint: {folder}")
     print(f"parameters: {config.n_params / 1e6:.1f} M, stored as {config.dtype}")
@@ -360,7 +363,7 @@ def chat(
     try:
         options = {"quantize": quantize, "kv_cache_dtype": kv_cache_dtype}
         llm = _common_setup(model, mesh, chat_template, None, 1, None, None, None, None, **options)
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except LOAD_ERRORS as e:
         _fail(str(e))
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     while True:

@@ -76,3 +76,8 @@ class CheckpointError(ValueError):
     """A checkpoint (a converted one, or a source to convert) that cannot be used: a missing, truncated or garbled
     file, a config value out of range, or a config that does not match the arrays stored. The message names the
     file and the field or tensor at fault."""
+
+
+class ModelTooLarge(MemoryError):
+    """The model's weights, as its backend runs them, do not fit in the memory there is (checked before loading);
+    the message gives both figures."""

@@ -118,6 +118,8 @@ CODES = [
     (E.QueueFull, "queue_full", 429),
     (E.EngineUnavailable, "engine_unavailable", 503),
     (E.ClientClosed, "client_closed", 499),
+    (E.CheckpointError, "model_error", 503),
+    (E.ModelTooLarge, "model_too_large", 503),
     (ValueError, "invalid_request", 400),  # a check of the engine's without a class of its own
     (KeyError, "internal_error", 500),
 ]

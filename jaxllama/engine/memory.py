@@ -10,13 +10,10 @@ from jax.sharding import Mesh
 
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import Ops
+from jaxllama.errors import ModelTooLarge
 
 # What a running engine holds besides its weights (compiled programs, XLA's buffers, the first KV cache, Python).
 OVERHEAD = 1 << 30
-
-
-class ModelTooLarge(MemoryError):
-    """The model's weights, as the backend runs them, do not fit in the memory there is."""
 
 
 def check_fits(config: ModelConfig, ops: Ops, dtype, mesh: Mesh, stored_dtype=None) -> None:

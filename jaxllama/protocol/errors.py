@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllama.errors import (
+    CheckpointError,
     ClientClosed,
     ContextLengthExceeded,
     DuplicateId,
@@ -18,6 +19,7 @@ from jaxllama.errors import (
     InvalidMessages,
     InvalidParameter,
     InvalidRequest,
+    ModelTooLarge,
     QueueFull,
     RequestError,
     TemplateError,
@@ -51,6 +53,8 @@ ERRORS: dict[type[BaseException], ErrorKind] = {
     QueueFull: ErrorKind("queue_full", 429, "rate_limit_error"),
     EngineUnavailable: ErrorKind("engine_unavailable", 503, "server_error"),
     ClientClosed: ErrorKind("client_closed", 499),
+    CheckpointError: ErrorKind("model_error", 503, "server_error"),
+    ModelTooLarge: ErrorKind("model_too_large", 503, "server_error"),
     Exception: ErrorKind("internal_error", 500, "server_error"),
 }
 

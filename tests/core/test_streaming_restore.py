@@ -12,8 +12,10 @@ import pytest
 from jaxllama import LLM
 from jaxllama.backends.cpu.ops import CpuOps
 from jaxllama.core.checkpoint import load_checkpoint
+from jaxllama.core.config import ModelConfig
+from jaxllama.core.sharding import make_mesh
 from jaxllama.engine import memory
-from jaxllama.engine.memory import ModelTooLarge
+from jaxllama.errors import ModelTooLarge
 
 
 def test_parts_are_restored_and_prepared_one_at_a_time(tiny_chat_checkpoint):
@@ -49,3 +51,19 @@ def test_a_model_too_large_for_the_machine_is_refused_before_loading(tiny_chat_c
     monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1 << 20))
     with pytest.raises(ModelTooLarge, match=r"needs about \d+\.\d GiB .* is \d+\.\d GiB"):
         LLM.load(tiny_chat_checkpoint, max_slots=1, compilation_cache=False)
+
+
+@pytest.mark.parametrize("quantize", [None, "w8a8"])
+def test_the_memory_a_model_needs_is_what_its_backend_holds(quantize):
+    """A Llama-3-70B-shaped config needs more than any machine this runs on; its figure is what the backend holds
+    (int8 weights: about a quarter of float32's), not the checkpoint's size."""
+    config = ModelConfig(
+        vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, head_dim=128
+    )
+    mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
+    ops = CpuOps(quantize)
+    with pytest.raises(ModelTooLarge) as e:
+        memory.check_fits(config, ops, np.float32, mesh)
+    weights = ops.weight_bytes(config, np.float32)
+    assert f"{weights / 2**30:.1f} GiB of weights" in str(e.value)
+    assert weights / config.n_params == pytest.approx(4 if quantize is None else 1.125, rel=0.05)  # + the embedding
