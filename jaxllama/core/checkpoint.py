@@ -88,7 +88,7 @@ def load_config(path: str | Path) -> ModelConfig:
 
 def load_checkpoint(path: str | Path, mesh: Mesh | None = None, dtype=None, prepare=None) -> tuple[ModelConfig, dict]:
     """Restore (config, params) from a converted checkpoint, a part at a time: the params outside the layers, then
-    each layer.
+    runs of layers (`_parts`).
 
     mesh: restore each array with its sharding on this mesh (from the logical-axis rules); None restores
     onto the default device. dtype: the runtime dtype (default `runtime_dtype()`); a checkpoint stored
@@ -102,14 +102,28 @@ def load_checkpoint(path: str | Path, mesh: Mesh | None = None, dtype=None, prep
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         stored = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), stored)
-    outer = [k for k in stored if not k.startswith("layers_")]
     params: dict = {}
-    for names in [outer, *([f"layers_{i}"] for i in range(config.n_layers))]:
+    for names in _parts(stored, config):
         part = _restore_part(path, stored, names)
         if jnp.dtype(config.dtype) != dtype:
             part = jax.tree.map(lambda x: x.astype(dtype), part)
         params |= prepare(part) if prepare is not None else part
     return config, params
+
+
+# Layers restored per call, up to this many bytes: each call costs a fixed ~0.1 s, and a part is held twice at most.
+PART_BYTES = 256 << 20
+
+
+def _parts(stored: dict, config: ModelConfig) -> list[list[str]]:
+    """The top-level names restored together: the params outside the layers, then runs of consecutive layers of at
+    most PART_BYTES (at least one layer each)."""
+    parts = [[k for k in stored if not k.startswith("layers_")]]
+    layer_bytes = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(stored["layers_0"]))
+    per_part = max(1, PART_BYTES // max(1, layer_bytes))
+    for start in range(0, config.n_layers, per_part):
+        parts.append([f"layers_{i}" for i in range(start, min(start + per_part, config.n_layers))])
+    return parts
 
 
 def _restore_part(path: Path, stored: dict, names: list[str]) -> dict:

@@ -11,6 +11,7 @@ import pytest
 
 from jaxllama import LLM
 from jaxllama.backends.cpu.ops import CpuOps
+from jaxllama.core import checkpoint
 from jaxllama.core.checkpoint import load_checkpoint
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.sharding import make_mesh
@@ -18,18 +19,20 @@ from jaxllama.engine import memory
 from jaxllama.errors import ModelTooLarge
 
 
-def test_parts_are_restored_and_prepared_one_at_a_time(tiny_chat_checkpoint):
+@pytest.mark.parametrize("part_bytes", [1, 1 << 30])  # a layer per part; every layer in one part
+def test_parts_are_restored_and_prepared_one_at_a_time(tiny_chat_checkpoint, monkeypatch, part_bytes):
+    monkeypatch.setattr(checkpoint, "PART_BYTES", part_bytes)
     config, whole = load_checkpoint(tiny_chat_checkpoint)
     parts = []
 
     def prepare(part):
-        parts.append(sorted(part))
+        parts.append(list(part))
         return part
 
     _, streamed = load_checkpoint(tiny_chat_checkpoint, prepare=prepare)
-    assert parts == [sorted(k for k in whole if not k.startswith("layers_"))] + [
-        [f"layers_{i}"] for i in range(config.n_layers)
-    ]
+    layers = [f"layers_{i}" for i in range(config.n_layers)]
+    assert sorted(parts[0]) == sorted(k for k in whole if not k.startswith("layers_"))
+    assert parts[1:] == ([[name] for name in layers] if part_bytes == 1 else [layers])
     jax.tree.map(np.testing.assert_array_equal, streamed, whole)
 
 

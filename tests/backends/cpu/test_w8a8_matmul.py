@@ -17,9 +17,9 @@ from jaxllama.core.model import sequence_logits
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.request import Request, SamplingParams
+from tests.backends.cpu.test_quantized_matmul import q8_0, weights, with_q8_0_weights
 from tests.engine.conftest import spread_params, tiny_config
 from tests.engine.test_engine import run
-from tests.backends.cpu.test_quantized_matmul import q8_0, weights, with_q8_0_weights
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
 
