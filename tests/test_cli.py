@@ -17,24 +17,11 @@ import pytest
 from jaxllama import __version__
 from jaxllama.cli import COMMANDS, METAVARS, REPEATABLE, run
 from jaxllama.cli_args import fire_argv, unescape, usage
+from tests.batch.test_run import jaxllama
 from tests.factories import write_chat_gguf
 from tests.readme import README
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def jaxllama(*args, env=None, timeout=120, **kwargs):
-    env = {**os.environ, "JAXLLAMA_CACHE": os.environ.get("JAXLLAMA_TEST_CACHE", ""), **(env or {})}
-    env = {k: v for k, v in env.items() if v != ""}
-    return subprocess.run(
-        [sys.executable, "-m", "jaxllama.cli", *map(str, args)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        **kwargs,
-    )
 
 
 def test_a_mistyped_flag_is_refused_before_the_model_loads(tiny_chat_checkpoint, tmp_path):

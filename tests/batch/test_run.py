@@ -25,7 +25,8 @@ def tiny_chat(tmp_path_factory) -> Path:
     return convert(write_chat_gguf(tmp / "m.gguf"), tmp / "ckpt", progress=False)
 
 
-def jaxllama(*args, env=None, timeout=600):
+def jaxllama(*args, env=None, timeout=600, **kwargs):
+    """The `jaxllama` command in a subprocess, sharing the test session's caches; its output captured."""
     env = {**os.environ, "JAXLLAMA_CACHE": os.environ.get("JAXLLAMA_TEST_CACHE", ""), **(env or {})}
     env = {k: v for k, v in env.items() if v != ""}
     return subprocess.run(
@@ -35,6 +36,7 @@ def jaxllama(*args, env=None, timeout=600):
         capture_output=True,
         text=True,
         timeout=timeout,
+        **kwargs,
     )
 
 
