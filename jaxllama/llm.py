@@ -113,7 +113,9 @@ class LLM:
         ops = backends.choose(mesh, dtype, kernel_dir(), quantize=quantize)
         check_fits(config, ops, dtype, mesh, stored_dtype=config.dtype)
         # Each part of the model is prepared for the backend as it is restored: one copy of the weights at a time.
-        config, params = load_checkpoint(path, mesh=mesh, dtype=dtype, prepare=lambda part: ops.prepare(part, config))
+        config, params = load_checkpoint(
+            path, mesh=mesh, dtype=dtype, prepare=lambda part: ops.prepare(part, config), config=config
+        )
         tokenizer = load_tokenizer(path)
         template = ChatTemplate.from_checkpoint(path, chat_template, special_tokens=tokenizer.special_tokens)
         eos = end_of_generation_ids(

@@ -86,7 +86,9 @@ def load_config(path: str | Path) -> ModelConfig:
     return config
 
 
-def load_checkpoint(path: str | Path, mesh: Mesh | None = None, dtype=None, prepare=None) -> tuple[ModelConfig, dict]:
+def load_checkpoint(
+    path: str | Path, mesh: Mesh | None = None, dtype=None, prepare=None, config: ModelConfig | None = None
+) -> tuple[ModelConfig, dict]:
     """Restore (config, params) from a converted checkpoint, a part at a time: the params outside the layers, then
     runs of layers (`_parts`).
 
@@ -94,9 +96,10 @@ def load_checkpoint(path: str | Path, mesh: Mesh | None = None, dtype=None, prep
     onto the default device. dtype: the runtime dtype (default `runtime_dtype()`); a checkpoint stored
     in another dtype is cast once, here, a part at a time. prepare: applied to each part as it is restored
     (a backend's `Ops.prepare`), so that weights a backend replaces (packs, quantizes) are never all held twice.
+    config: the checkpoint's config as `load_config` gave it (checked already), else read and checked here.
     """
     path = Path(path)
-    config = load_config(path)
+    config = config or load_config(path)
     dtype = jnp.dtype(dtype or runtime_dtype())
     stored = abstract_params(config, config.dtype, mesh)
     if mesh is None:
