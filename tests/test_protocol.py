@@ -194,14 +194,30 @@ def test_the_pipeline_prepares_a_request():
     assert chat.prompt == Characters().encode("uhi") and chat.stop == [] and chat.params == DEFAULTS
 
 
-def test_a_job_pipeline_adds_the_system_prompt_and_ignores_delivery_fields():
+def test_a_job_pipeline_adds_the_system_prompt_and_refuses_what_a_record_cannot_carry():
+    """Job lines are answered whole, in records without log-probabilities: streaming them means nothing, but a line
+    that asks for log-probabilities is refused rather than answered without them."""
     pipeline = RequestPipeline(Characters(), DEFAULTS, system_prompt="S", output_options=False)
-    request = pipeline.prepare({"messages": HI, "stream": "yes", "logprobs": 5}, "chat")
+    request = pipeline.prepare({"messages": HI, "stream": True}, "chat")
     assert request.prompt == Characters().encode("sSuhi") and not request.options.stream
     system = [{"role": "system", "content": "T"}, *HI]
     assert pipeline.prepare({"messages": system}, "chat").prompt == Characters().encode("sTuhi")
-    with pytest.raises(E.InvalidParameter):
-        RequestPipeline(Characters(), DEFAULTS).prepare({"messages": HI, "stream": "yes"}, "chat")
+    for body, kind, field in [
+        ({"messages": HI, "logprobs": True}, "chat", "logprobs"),
+        ({"prompt": "x", "logprobs": 0}, "completion", "logprobs"),
+    ]:
+        with pytest.raises(E.InvalidParameter) as e:
+            pipeline.prepare(body, kind)
+        assert e.value.param == field
+    with pytest.raises(E.InvalidParameter):  # checked as the server checks it
+        pipeline.prepare({"messages": HI, "stream": "yes"}, "chat")
+
+
+def test_structured_output_is_refused_not_ignored():
+    assert parse_body({"prompt": "x", "response_format": {"type": "text"}}, "completion", DEFAULTS).prompt == "x"
+    with pytest.raises(E.InvalidParameter) as e:
+        parse_body({"messages": HI, "response_format": {"type": "json_object"}}, "chat", DEFAULTS)
+    assert e.value.param == "response_format"
 
 
 def test_log_probabilities_that_are_not_finite_are_answered_as_the_floor():

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Protocol
 
 from jaxllama.engine.request import SamplingParams
+from jaxllama.errors import InvalidParameter
 from jaxllama.protocol.requests import OutputOptions, output_options, parse_body
 
 
@@ -38,8 +39,9 @@ class PreparedRequest:
 @dataclasses.dataclass(frozen=True)
 class RequestPipeline:
     """What a front end fixes for all its requests: the encoder, the sampling defaults and stop strings a body's
-    fields override, a system prompt for conversations without one, and whether the delivery fields ("stream",
-    "logprobs") are read: the server reads them; job lines are answered whole, and ignore them."""
+    fields override, a system prompt for conversations without one, and whether the answer can be delivered as the
+    delivery fields ask ("stream", "logprobs"): the server can; job lines are answered whole in records without
+    log-probabilities, so a job line asking for them is refused rather than answered without them."""
 
     encoder: Encoder
     defaults: SamplingParams
@@ -52,7 +54,12 @@ class RequestPipeline:
         body's fields are bad (InvalidRequest, InvalidParameter, InvalidMessages) or the chat template failed on
         its conversation (TemplateError)."""
         parsed = parse_body(body, kind, self.defaults, list(self.stop))
-        options = output_options(body, kind) if self.output_options else OutputOptions()
+        options = output_options(body, kind)
+        if not self.output_options:
+            if options.logprobs:
+                field = "logprobs" if "logprobs" in body else "top_logprobs"
+                raise InvalidParameter(f"{field}: job records do not carry log-probabilities", field)
+            options = OutputOptions()
         if kind == "chat":
             prompt = self.encoder.encode_chat(with_system_prompt(parsed.messages, self.system_prompt))
         else:

@@ -34,6 +34,7 @@ UNSUPPORTED = {
     "logit_bias": None,
     "tools": None,
     "functions": None,
+    "response_format": {"type": "text"},  # structured output is not implemented: refused, never ignored
 }
 
 
