@@ -42,6 +42,7 @@ def test_the_sampling_fields_are_those_of_sampling_params():
     assert set(REQUEST_FIELDS.values()) == set(SAMPLING_FIELDS) == {f for f in SamplingParams.__dataclass_fields__}
     every = {"max_tokens": 9, "temperature": 0.0, "top_k": 4, "top_p": 0.5, "min_p": 0.1, "seed": 2}
     every |= {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.5, "stop_token_ids": [3]}
+    every |= {"min_tokens": 2, "ignore_eos": True}
     assert set(every) == set(SAMPLING_FIELDS)
     assert sampling_params(every, DEFAULTS) == SamplingParams(**{**every, "stop_token_ids": (3,)})
     assert sampling_params({"max_tokens": 3, "max_completion_tokens": 4}, DEFAULTS).max_tokens == 4  # the later wins
@@ -56,6 +57,8 @@ def test_the_sampling_fields_are_those_of_sampling_params():
         ({"messages": HI, "stop_token_ids": [1.5]}, "chat", "invalid_parameter", "stop_token_ids"),
         ({"messages": HI, "stop": ["a", 3]}, "chat", "invalid_parameter", "stop"),
         ({"messages": HI, "n": 3}, "chat", "invalid_parameter", "n"),
+        ({"messages": HI, "ignore_eos": 1}, "chat", "invalid_parameter", "ignore_eos"),
+        ({"messages": HI, "max_tokens": 4, "min_tokens": 5}, "chat", "invalid_parameter", "min_tokens"),
         ({"messages": HI, "logit_bias": {"1": 5}}, "chat", "invalid_parameter", "logit_bias"),
         ({"messages": [{"role": "user"}]}, "chat", "invalid_messages", "messages"),
         ({"prompt": ["a", "b"]}, "completion", "invalid_request", "prompt"),

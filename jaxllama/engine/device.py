@@ -259,7 +259,8 @@ class _PrefillBatch:
         for i, r in enumerate(rows):
             a["tokens"][i, : len(r.tokens)] = r.tokens
             a["lengths"][i], a["starts"][i], a["sources"][i], a["slots"][i] = len(r.tokens), r.start, r.source, r.slot
-            ids = sorted(set(device.eos_ids) | set(r.request.params.stop_token_ids))
+            eos = () if r.request.params.ignore_eos else device.eos_ids
+            ids = sorted(set(eos) | set(r.request.params.stop_token_ids))
             a["stop_ids"][i, : len(ids)] = ids
             params.append(r.request.params)
             seeds.append(device.seed(r.request.params))

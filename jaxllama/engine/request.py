@@ -31,6 +31,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI style, on generated tokens
     frequency_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()  # extra end-of-generation ids for this request
+    min_tokens: int = 0  # before this many tokens, no end-of-generation or stop token id is sampled (vLLM's)
+    ignore_eos: bool = False  # the model's end-of-generation ids do not end it (stop_token_ids still do)
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -45,6 +47,13 @@ class SamplingParams:
             ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("min_p", _finite(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("seed", self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), "must be an integer >= 0"),
+            (
+                "min_tokens",
+                _is_int(self.min_tokens)
+                and 0 <= self.min_tokens <= (self.max_tokens if _is_int(self.max_tokens) else 0),
+                "must be an integer from 0 to max_tokens",
+            ),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "must be true or false"),
             ("repetition_penalty", _finite(self.repetition_penalty) and self.repetition_penalty > 0, "must be > 0"),
             (
                 "presence_penalty",
@@ -72,6 +81,10 @@ class SamplingParams:
     @property
     def filtered(self) -> bool:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _finite(x) -> bool:

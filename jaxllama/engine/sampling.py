@@ -28,6 +28,7 @@ class SamplingRows:
     repetition_penalty: jax.Array
     presence_penalty: jax.Array
     frequency_penalty: jax.Array
+    min_tokens: jax.Array
     key: jax.Array  # [rows, 2] uint32 raw PRNG key data
 
     @staticmethod
@@ -46,6 +47,7 @@ class SamplingRows:
             repetition_penalty=col("repetition_penalty", np.float32),
             presence_penalty=col("presence_penalty", np.float32),
             frequency_penalty=col("frequency_penalty", np.float32),
+            min_tokens=col("min_tokens", np.int32),
             key=np.stack([np.array([s >> 32 & 0xFFFFFFFF, s & 0xFFFFFFFF], np.uint32) for s in seeds])
             if seeds
             else np.zeros((0, 2), np.uint32),
@@ -59,6 +61,7 @@ class SamplerFlags:
     full: bool = False  # some row samples from the whole vocabulary (temperature > 0, no top_k/top_p)
     filter: bool = False  # some row samples with top_k or top_p (among the CANDIDATES most likely tokens)
     penalize: bool = False  # some row uses a penalty
+    hold_stops: bool = False  # some row has min_tokens: its stop ids are not sampled before them
 
     @property
     def sample(self) -> bool:
@@ -71,6 +74,7 @@ class SamplerFlags:
             full=any(not p.greedy and not p.filtered for p in params),
             filter=any(p.filtered for p in params),
             penalize=any(p.penalized for p in params),
+            hold_stops=any(p.min_tokens > 0 for p in params),
         )
 
     def __or__(self, other: SamplerFlags) -> SamplerFlags:
@@ -101,13 +105,24 @@ def candidate_mask(probs, rows: SamplingRows):
     return keep & (probs >= rows.min_p[:, None] * probs[:, :1])
 
 
-def sample(logits, rows: SamplingRows, step, flags: SamplerFlags, counts=None, seen=None, ops: Ops = XLA):
+def hold_stops(logits, rows: SamplingRows, step, stop_ids):
+    """logits [b, v] with each row's stop ids stop_ids [b, e] (padded with -1) at -inf while step < min_tokens."""
+    held = (step < rows.min_tokens)[:, None] & (stop_ids >= 0)
+    at = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[at, jnp.maximum(stop_ids, 0)].min(jnp.where(held, -jnp.inf, jnp.inf))
+
+
+def sample(
+    logits, rows: SamplingRows, step, flags: SamplerFlags, counts=None, seen=None, ops: Ops = XLA, stop_ids=None
+):
     """Draw one token per row. logits [b, v] float32; step [b]: index of the token being drawn; an all-greedy batch
-    takes its tokens from `ops.greedy`.
+    takes its tokens from `ops.greedy`. stop_ids [b, e]: each row's end-of-generation ids (for min_tokens).
 
     Returns (tokens [b] int32, logprobs [b] float32: log-probability of each token under the model's
     distribution after penalties and temperature, before top-k/top-p/min-p truncation).
     """
+    if flags.hold_stops:
+        logits = hold_stops(logits, rows, step, stop_ids)
     if flags.penalize:
         logits = apply_penalties(logits, rows, counts, seen)
     if not flags.sample:

@@ -68,7 +68,7 @@ class Scheduler:
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         stop_ids = request.params.stop_token_ids
-        if len(self.eos_ids) + len(stop_ids) > self.device.max_stop_ids:
+        if len(self.eos_ids) * (not request.params.ignore_eos) + len(stop_ids) > self.device.max_stop_ids:
             extra = self.device.max_stop_ids - len(self.eos_ids)
             raise InvalidParameter(f"stop_token_ids: at most {extra} extra stop token ids", "stop_token_ids")
         bad = [t for t in stop_ids if not 0 <= t < vocab]
@@ -83,7 +83,8 @@ class Scheduler:
         p = request.params
         max_tokens, top_k = min(p.max_tokens, self.max_context), min(p.top_k, self.device.vocab_size)
         if (max_tokens, top_k) != (p.max_tokens, p.top_k):
-            request = dataclasses.replace(request, params=dataclasses.replace(p, max_tokens=max_tokens, top_k=top_k))
+            capped = dict(max_tokens=max_tokens, top_k=top_k, min_tokens=min(p.min_tokens, max_tokens))
+            request = dataclasses.replace(request, params=dataclasses.replace(p, **capped))
         self.queue.append(request)
 
     def finish(self, request_id, reason: FinishReason = "cancelled", stop_reason: str | None = None) -> None:

@@ -108,7 +108,7 @@ def decode_outputs(
     state = dataclasses.replace(state, active=state.active & keep)
     rows = state if slots is None else _gather(state, slots)
     logits = head(params, config, x[:, 0], ops=ops)
-    tokens, logprobs = sample(logits, rows.rows, rows.step, flags, rows.counts, rows.seen, ops)
+    tokens, logprobs = sample(logits, rows.rows, rows.step, flags, rows.counts, rows.seen, ops, rows.stop_ids)
     was_active = rows.active
     rows, finish = _advance(rows, tokens, was_active, flags.penalize)
     state = rows if slots is None else _scatter(state, rows, slots, flags.penalize)
@@ -194,7 +194,7 @@ def prefill_outputs(
     if seen.shape[1] != vocab:
         seen = jnp.zeros((n, vocab), bool)
     zeros = jnp.zeros((n,), jnp.int32)
-    first, logprobs = sample(logits, new_rows, zeros, flags, jnp.zeros((n, vocab), jnp.int32), seen, ops)
+    first, logprobs = sample(logits, new_rows, zeros, flags, jnp.zeros((n, vocab), jnp.int32), seen, ops, stop_ids)
 
     fresh = DecodeState(
         tokens=jnp.full((n,), -1, jnp.int32),

@@ -23,6 +23,7 @@ ALIASES = {"max_completion_tokens": "max_tokens"}
 """Request fields that set a sampling field under another name (OpenAI's newer name for max_tokens)."""
 
 REQUEST_FIELDS = {**{name: name for name in SAMPLING_FIELDS}, **ALIASES}
+BOOLEAN_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.type in (bool, "bool"))
 """Request field -> `SamplingParams` field. Of two fields naming the same one, the later here wins."""
 
 # OpenAI fields that would change the answer and are not implemented: each with the value that means "off".
@@ -113,8 +114,9 @@ def sampling_params(values: Mapping, defaults: SamplingParams) -> SamplingParams
         value = values.get(key)
         if value is None:
             continue
-        if isinstance(value, bool):
-            raise InvalidParameter(f"{key}: must be a number, got {value!r}", key)
+        if isinstance(value, bool) != (field in BOOLEAN_FIELDS):
+            kind = "true or false" if field in BOOLEAN_FIELDS else "a number"
+            raise InvalidParameter(f"{key}: must be {kind}, got {value!r}", key)
         if field == "stop_token_ids":
             if not isinstance(value, (list, tuple)) or not all(_is_int(v) for v in value):
                 raise InvalidParameter(f"{key}: must be a list of integers", key)

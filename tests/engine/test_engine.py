@@ -228,3 +228,34 @@ def test_donated_weights_are_replaced_by_the_prepared_ones(tiny, expected):
         tokens = jnp.asarray([greedy_requests()[0].prompt])
         prepared = sequence_logits(engine.params, config, tokens, engine.ops)
         np.testing.assert_allclose(prepared, _forward(params, config, tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_ignore_eos_and_min_tokens(tiny):
+    """ignore_eos: the model's end-of-generation id does not end a request; min_tokens: no stop id is sampled before
+    that many tokens. Each request's tokens are the same alone and in a batch with the others."""
+    config, params = tiny
+    mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
+    prompt = random_prompts(1, seed=7)[0]
+    free = run(Engine(config, params, mesh, eos_ids=[], max_slots=4), [Request("f", prompt, greedy(12))])[0]["f"]
+    eos = free[2]  # the model's third token, made its end-of-generation id
+    first = free.index(eos)
+    requests = [
+        Request("plain", prompt, greedy(12)),
+        Request("ignore", prompt, greedy(12, ignore_eos=True)),
+        Request("min", prompt, greedy(12, min_tokens=first + 2)),
+        Request("stop", prompt, greedy(12, ignore_eos=True, stop_token_ids=(eos,))),
+    ]
+    engine = Engine(config, params, mesh, eos_ids=[eos], max_slots=4)
+    together_tokens, finals = run(engine, requests)
+    assert together_tokens["plain"] == free[: first + 1] and finals["plain"].finish_reason == "stop"
+    assert together_tokens["ignore"] == free and finals["ignore"].finish_reason == "length"
+    assert together_tokens["stop"] == free[: first + 1] and finals["stop"].stop_reason == eos  # stop ids still stop
+    held = together_tokens["min"]
+    assert eos not in held[: first + 2] and len(held) > first + 2 - 1
+    assert held[:first] == free[:first] and held[first] != eos  # held back exactly where it would have ended
+    for r in requests:
+        assert run(Engine(config, params, mesh, eos_ids=[eos], max_slots=4), [r])[0][r.id] == together_tokens[r.id]
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
