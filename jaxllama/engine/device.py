@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import random
 from collections.abc import Sequence
 
@@ -35,8 +34,6 @@ from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import agreed_seed
 from jaxllama.engine.sampling import SamplerFlags, SamplingRows
 from jaxllama.engine.stats import EngineStats
-
-log = logging.getLogger(__name__)
 
 MAX_STOP_IDS = 32  # end-of-generation ids a slot can hold: the model's and the request's own
 
@@ -159,8 +156,6 @@ class Device:
     # ---- programs ---------------------------------------------------------------------------------
 
     def _call(self, kind: str, fn, args, static_key=None, donate: int | None = None, out=None):
-        if not self.stats.compiles:  # the first call compiles: say why the first requests take a while
-            log.info("compiling the engine's programs, each shape once (a later run loads them from the cache)")
         return self.programs(kind, fn, args, static_key, donate, self._activations if out is None else out)
 
     def _outputs_sharding(self, n: int):

@@ -72,6 +72,8 @@ class Programs:
         leaves, tree = jax.tree.flatten(args)
         key = (kind, tree, tuple((x.shape, x.dtype) for x in leaves), static_key)
         if key not in self._compiled:
+            if not self._compiled:  # say why the first requests take a while
+                log.info("compiling the engine's programs, each shape once (a later run loads them from the cache)")
             start = time.perf_counter()
             options = self.ops.compiler_options(kind)
             compiled = None
