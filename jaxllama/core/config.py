@@ -118,12 +118,16 @@ class ModelConfig:
         object.__setattr__(self, name, value)
 
     @property
+    def params_per_layer(self) -> int:
+        """Number of parameters of one decoder layer (its products and its two norms)."""
+        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        return attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
+
+    @property
     def n_params(self) -> int:
         """Number of parameters (the output projection counted once when tied)."""
-        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        layer = attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
         out = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.vocab_size * self.dim + self.n_layers * layer + self.dim + out
+        return self.vocab_size * self.dim + self.n_layers * self.params_per_layer + self.dim + out
 
     def flops_per_token(self, context: int = 0) -> float:
         """Forward FLOPs for one token attending to `context` earlier positions (2 per multiply-add)."""

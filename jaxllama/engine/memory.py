@@ -22,8 +22,7 @@ def check_fits(config: ModelConfig, ops: Ops, dtype, mesh: Mesh, stored_dtype=No
     (a copy per replica along the mesh's `data` axis), on an accelerator in each device's memory (the weights split
     along `model`)."""
     weights = ops.weight_bytes(config, dtype)
-    layer = (config.n_params - config.vocab_size * config.dim * (1 if config.tie_embeddings else 2)) // config.n_layers
-    restoring = layer * (jnp.dtype(dtype).itemsize + jnp.dtype(stored_dtype or dtype).itemsize)
+    restoring = config.params_per_layer * (jnp.dtype(dtype).itemsize + jnp.dtype(stored_dtype or dtype).itemsize)
     device = mesh.devices.flat[0]
     if device.platform == "cpu":
         need = weights * mesh.shape["data"] + restoring + OVERHEAD
