@@ -77,10 +77,6 @@ class SamplerFlags:
             hold_stops=any(p.min_tokens > 0 for p in params),
         )
 
-    def __or__(self, other: SamplerFlags) -> SamplerFlags:
-        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
-        return SamplerFlags(*(a or b for a, b in pairs))
-
 
 # top_k / top_p rows choose among this many most likely tokens: a full sort of the vocabulary costs ~100x
 # more on the CPU. top_k <= CANDIDATES is exact; a top_p nucleus larger than this is cut to it.

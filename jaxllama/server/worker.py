@@ -142,7 +142,7 @@ class EngineWorker:
     @property
     def running(self) -> int:
         """Requests holding a slot of the engine."""
-        return len(self.generation.engine.active)
+        return self.generation.engine.running
 
     @property
     def waiting(self) -> int:
