@@ -21,9 +21,15 @@ from jaxllama.backends.cpu.row_stats import row_stats
 from jaxllama.core.model import GATE_UP, PRODUCT_IN_DIMS, QKV
 from jaxllama.core.ops import NO_YNNPACK, Ops
 
+
+def fused_key(names) -> str:
+    """The key a group of weights packed as one product is stored under, in place of theirs."""
+    return "+".join(names)
+
+
 # The products each group's weights become, by the key `prepare` stores them under.
-FUSED = {"+".join(QKV): QKV}
-GATED = {"+".join(GATE_UP): GATE_UP}
+FUSED = {fused_key(QKV): QKV}
+GATED = {fused_key(GATE_UP): GATE_UP}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +67,13 @@ class CpuOps(Ops):
         return super().linear(x, w, in_dims)
 
     def project(self, x, p: dict, names: Sequence[str], in_dims: int = 1):
-        fused = "+".join(names)
+        fused = fused_key(names)
         if fused in p:
             return matmul.matmul(x.reshape(*x.shape[: x.ndim - in_dims], -1), p[fused])
         return super().project(x, p, names, in_dims)
 
     def gated(self, x, p: dict, gate: str, up: str):
-        fused = f"{gate}+{up}"
+        fused = fused_key((gate, up))
         if fused in p:  # the kernel applies silu(gate) * up as it stores the product
             return matmul.matmul(x, p[fused])
         return super().gated(x, p, gate, up)
