@@ -166,8 +166,9 @@ def run(
       max_batch: decode slots: requests generated at once (default: the engine's, 64).
       max_context: context limit (prompt + completion), at most the model's.
       decode_steps: decode steps per host round trip.
-      quantize: q8_0 or w8a8 to generate with int8 weights (llama.cpp's Q8_0; one CPU device), multiplied by
-        inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512 VNNI).
+      quantize: q8_0, w8a8 or q4_0 to quantize float weights at load (one CPU device): int8 weights (llama.cpp's
+        Q8_0) multiplied by inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512
+        VNNI), or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored.
       kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits; auto (default): the weights' dtype.
       overwrite: start over instead of resuming.
       no_retry_errors: on resume, keep the error records of failed lines instead of running them again.
@@ -277,8 +278,9 @@ def serve(
       max_queue: requests waiting for a slot at most; one more is answered 429.
       max_context: context limit (prompt + completion), at most the model's.
       decode_steps: decode steps per host round trip.
-      quantize: q8_0 or w8a8 to generate with int8 weights (llama.cpp's Q8_0; one CPU device), multiplied by
-        inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512 VNNI).
+      quantize: q8_0, w8a8 or q4_0 to quantize float weights at load (one CPU device): int8 weights (llama.cpp's
+        Q8_0) multiplied by inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512
+        VNNI), or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored.
       kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits; auto (default): the weights' dtype.
       log_level: uvicorn's log level (debug, info, warning, error).
     """
@@ -356,8 +358,9 @@ def chat(
       seed: random seed.
       mesh: device mesh, e.g. data=1,model=2.
       chat_template: a built-in template name or a .jinja file.
-      quantize: q8_0 or w8a8 to generate with int8 weights (llama.cpp's Q8_0; one CPU device), multiplied by
-        inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512 VNNI).
+      quantize: q8_0, w8a8 or q4_0 to quantize float weights at load (one CPU device): int8 weights (llama.cpp's
+        Q8_0) multiplied by inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512
+        VNNI), or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored.
       kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits; auto (default): the weights' dtype.
     """
     try:
@@ -409,7 +412,7 @@ METAVARS = {
     "max_context": "N",
     "decode_steps": "N",
     "max_tokens": "N",
-    "quantize": "w8a8|q8_0",
+    "quantize": "w8a8|q8_0|q4_0",
     "kv_cache_dtype": "float16",
     "stats_file": "stats.json",
     "coordinator": "HOST:PORT",

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -91,8 +92,9 @@ inline int64_t Width(int64_t n, int64_t out_per_panel, int64_t p) {
 // out[rows, kPanels x kOut] (stride ldo) = x[rows, k] (stride ldx) @ kPanels panels [k, kPanel] (stride k x kPanel)
 // from panel p of an output n columns wide; kGated: silu(each panel's first kLanes columns) x its last kLanes.
 template <int kRows, int kPanels, bool kGated>
-void Tile(const float* x, int64_t ldx, const float* w, int64_t k, float* out, int64_t ldo, int64_t n, int64_t p) {
+void Tile(const float* x, int64_t ldx, const void* w_data, int64_t k, float* out, int64_t ldo, int64_t n, int64_t p) {
   constexpr int64_t kOut = kGated ? kLanes : kPanel;
+  const auto* w = static_cast<const float*>(w_data);
   Reg acc[kRows][kPanels * kParts] = {};
   for (int64_t i = 0; i < k; ++i) {
     Reg panel[kPanels * kParts];
@@ -106,6 +108,46 @@ void Tile(const float* x, int64_t ldx, const float* w, int64_t k, float* out, in
       for (int j = 0; j < kPanels * kParts; ++j) acc[r][j] += a * panel[j];
     }
   }
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kPanels; ++j)
+      Store<kGated>(acc[r][j * kParts], acc[r][j * kParts + kParts - 1], out + r * ldo + j * kOut,
+                    Width(n, kOut, p + j));
+}
+
+// Tile for bfloat16 panels ([k2 / 2, kPanel, 2]: each column's inputs in pairs, k2 = k rounded up to even; stride
+// k2 x kPanel): a 32-bit lane holds a column's inputs i and i + 1, which become floats by a shift (input i) and a
+// mask (input i + 1), in registers and without shuffles; x and the sums stay float32.
+template <int kRows, int kPanels, bool kGated>
+void Bf16Tile(const float* x, int64_t ldx, const void* w_data, int64_t k, float* out, int64_t ldo, int64_t n,
+              int64_t p) {
+  constexpr int64_t kOut = kGated ? kLanes : kPanel;
+  const auto* w = static_cast<const uint16_t*>(w_data);
+  const int64_t k2 = (k + 1) / 2 * 2;
+  Reg acc[kRows][kPanels * kParts] = {};
+  auto step = [&](int64_t i, bool pair) {
+    Reg even[kPanels * kParts], odd[kPanels * kParts];
+    for (int j = 0; j < kPanels; ++j) {
+      const uint16_t* row = w + j * k2 * kPanel + i * kPanel;
+      __builtin_prefetch(row + kAhead / sizeof(uint16_t));
+      for (int h = 0; h < kParts; ++h) {
+        RegInts v;
+        std::memcpy(&v, row + h * 2 * kRegLanes, sizeof(v));
+        even[j * kParts + h] = reinterpret_cast<Reg>(v << 16);
+        odd[j * kParts + h] = reinterpret_cast<Reg>(v & static_cast<int32_t>(0xffff0000u));
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const Reg a = jaxllama::Splat<Reg>(x[r * ldx + i]);
+      if (pair) {
+        const Reg b = jaxllama::Splat<Reg>(x[r * ldx + i + 1]);
+        for (int j = 0; j < kPanels * kParts; ++j) acc[r][j] += a * even[j] + b * odd[j];
+      } else {
+        for (int j = 0; j < kPanels * kParts; ++j) acc[r][j] += a * even[j];
+      }
+    }
+  };
+  for (int64_t i = 0; i + 1 < k; i += 2) step(i, true);
+  if (k % 2) step(k - 1, false);  // an odd input count: the last pair's second weight is padding
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < kPanels; ++j)
       Store<kGated>(acc[r][j * kParts], acc[r][j * kParts + kParts - 1], out + r * ldo + j * kOut,
@@ -142,9 +184,11 @@ struct Quads {
 // (its inputs in groups of kStep, column by column; stride kp x kPanel) times each block's scales[kp / kQBlock,
 // kPanel]. kp: the inputs padded to whole blocks.
 template <typename F, int kRows, int kPanels, bool kGated>
-void QuantizedTile(const void* xq_data, const float* xs, const int32_t* xsum, int64_t kp, const int8_t* q,
-                   const float* scales, float* out, int64_t ldo, int64_t n, int64_t p) {
+void QuantizedTile(const void* xq_data, const float* xs, const int32_t* xsum, int64_t kp, const void* q_data,
+                   const void* scales_data, float* out, int64_t ldo, int64_t n, int64_t p) {
   constexpr int64_t kOut = kGated ? kLanes : kPanel;
+  const auto* q = static_cast<const int8_t*>(q_data);
+  const auto* scales = static_cast<const float*>(scales_data);
   const auto* xq = static_cast<const typename F::Input*>(xq_data);
   const int64_t blocks = kp / kQBlock;
   Reg acc[kRows][kPanels * kParts] = {};
@@ -173,6 +217,61 @@ void QuantizedTile(const void* xq_data, const float* xs, const int32_t* xsum, in
       const int32_t offset = F::kOffset ? F::kOffset * xsum[r * blocks + b] : 0;
       for (int j = 0; j < kPanels * kParts; ++j)
         acc[r][j] += __builtin_convertvector(part[r][j] - offset, Reg) * (scale[j] * x_scale);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kPanels; ++j)
+      Store<kGated>(acc[r][j * kParts], acc[r][j * kParts + kParts - 1], out + r * ldo + j * kOut,
+                    Width(n, kOut, p + j));
+}
+
+// Tile for Q4_0 panels, x quantized to int8 as Q8_0 (llama.cpp's `ggml_vec_dot_q4_0_q8_0`): each panel as
+// q[kp / 8, kPanel, 4] bytes (stride kp / 2 x kPanel): for each 8 inputs i .. i + 8 of a column, 4 bytes whose low
+// nibbles hold q + 8 of inputs i .. i + 4 and whose high ones those of i + 4 .. i + 8, so that a mask and a shift
+// give two vectors of unsigned bytes in vpdpbusd's (or pmaddubsw's) layout; its float16 scales [kp / kQBlock,
+// kPanel]. A block's sum counts 8 x the sum of x's block too, which is taken off.
+template <int kRows, int kPanels, bool kGated>
+void NibbleTile(const void* xq_data, const float* xs, const int32_t* xsum, int64_t kp, const void* q_data,
+                const void* scales_data, float* out, int64_t ldo, int64_t n, int64_t p) {
+  constexpr int64_t kOut = kGated ? kLanes : kPanel;
+  const auto* xq = static_cast<const int8_t*>(xq_data);
+  const auto* q = static_cast<const uint8_t*>(q_data);
+  const auto* scales = static_cast<const uint16_t*>(scales_data);
+  const int64_t blocks = kp / kQBlock;
+  const RegInts low_nibbles = jaxllama::Splat<RegInts>(0x0f0f0f0f);
+  Reg acc[kRows][kPanels * kParts] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    jaxllama::BlockSums part[kRows][kPanels * kParts] = {};
+    for (int64_t i = b * kQBlock; i < (b + 1) * kQBlock; i += 8) {
+      RegInts low[kPanels * kParts], high[kPanels * kParts];
+      for (int j = 0; j < kPanels; ++j) {
+        const uint8_t* group = q + j * (kp / 2) * kPanel + (i / 2) * kPanel;
+        __builtin_prefetch(group + kAhead);
+        for (int h = 0; h < kParts; ++h) {
+          RegInts v;
+          std::memcpy(&v, group + h * 4 * kRegLanes, sizeof(v));
+          low[j * kParts + h] = v & low_nibbles;
+          high[j * kParts + h] = (v >> 4) & low_nibbles;
+        }
+      }
+      for (int r = 0; r < kRows; ++r) {
+        int32_t first, second;  // x's inputs i .. i + 4 and i + 4 .. i + 8
+        std::memcpy(&first, xq + r * kp + i, sizeof(first));
+        std::memcpy(&second, xq + r * kp + i + 4, sizeof(second));
+        const RegInts a = jaxllama::Splat<RegInts>(first), c = jaxllama::Splat<RegInts>(second);
+        for (int j = 0; j < kPanels * kParts; ++j)
+          part[r][j] = jaxllama::AddByteDots(jaxllama::AddByteDots(part[r][j], low[j], a), high[j], c);
+      }
+    }
+    Reg scale[kPanels * kParts];
+    for (int j = 0; j < kPanels; ++j)
+      for (int h = 0; h < kParts; ++h)
+        scale[j * kParts + h] = jaxllama::LoadHalves(scales + (j * blocks + b) * kPanel + h * kRegLanes);
+    for (int r = 0; r < kRows; ++r) {
+      const float x_scale = xs[r * blocks + b];
+      const int32_t offset = 8 * xsum[r * blocks + b];
+      for (int j = 0; j < kPanels * kParts; ++j)
+        acc[r][j] += __builtin_convertvector(jaxllama::BlockTotals(part[r][j]) - offset, Reg) * (scale[j] * x_scale);
     }
   }
   for (int r = 0; r < kRows; ++r)
@@ -268,24 +367,39 @@ void QuantizeRowsToBytes(const float* x, int64_t rows, int64_t k, int64_t kp, in
 }
 
 // Each tile shape's function: [one panel or kTilePanels][rows - 1].
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, int64_t);
-using QuantizedTileFn = void (*)(const void*, const float*, const int32_t*, int64_t, const int8_t*, const float*,
-                                 float*, int64_t, int64_t, int64_t);
-template <bool kGated, int kPanels, size_t... R>
+using TileFn = void (*)(const float*, int64_t, const void*, int64_t, float*, int64_t, int64_t, int64_t);
+using QuantizedTileFn = void (*)(const void*, const float*, const int32_t*, int64_t, const void*, const void*, float*,
+                                 int64_t, int64_t, int64_t);
+// The float tiles: float32 (kBf16 false) or bfloat16 weights.
+template <bool kBf16, bool kGated, int kPanels, size_t... R>
 constexpr std::array<TileFn, sizeof...(R)> Tiles(std::index_sequence<R...>) {
-  return {Tile<R + 1, kPanels, kGated>...};
+  if constexpr (kBf16) {
+    return {Bf16Tile<R + 1, kPanels, kGated>...};
+  } else {
+    return {Tile<R + 1, kPanels, kGated>...};
+  }
 }
+// The quantized tiles: F is Pairs, Quads or Nibbles (Q4_0, `NibbleTile`).
+struct Nibbles {};
 template <typename F, bool kGated, int kPanels, size_t... R>
 constexpr std::array<QuantizedTileFn, sizeof...(R)> QuantizedTiles(std::index_sequence<R...>) {
-  return {QuantizedTile<F, R + 1, kPanels, kGated>...};
+  if constexpr (std::is_same_v<F, Nibbles>) {
+    return {NibbleTile<R + 1, kPanels, kGated>...};
+  } else {
+    return {QuantizedTile<F, R + 1, kPanels, kGated>...};
+  }
 }
-template <bool kGated>
-constexpr std::array<TileFn, kTile> kTiles[2] = {Tiles<kGated, 1>(std::make_index_sequence<kTile>{}),
-                                                 Tiles<kGated, kTilePanels>(std::make_index_sequence<kTile>{})};
+template <bool kBf16, bool kGated>
+constexpr std::array<TileFn, kTile> kTiles[2] = {Tiles<kBf16, kGated, 1>(std::make_index_sequence<kTile>{}),
+                                                 Tiles<kBf16, kGated, kTilePanels>(std::make_index_sequence<kTile>{})};
 template <typename F, bool kGated>
 constexpr std::array<QuantizedTileFn, kQTile> kQuantizedTiles[2] = {
     QuantizedTiles<F, kGated, 1>(std::make_index_sequence<kQTile>{}),
     QuantizedTiles<F, kGated, kQTilePanels>(std::make_index_sequence<kQTile>{})};
+
+// What a product's panels hold (`matmul.py`'s Packed): float32, bfloat16, or int8 blocks as Pairs or Quads
+// (`quantize`'s "q8_0" and "w8a8") or Q4_0's nibbles.
+enum class Kind { kFloat, kBf16, kPairs, kQuads, kNibbles };
 
 // Chunks: for quantized panels first `quantizing` chunks that quantize x's rows (which the product's chunks wait
 // for: every thread then quantizes a share of them), then blocks of kBlock rows x groups of panels.
@@ -294,13 +408,13 @@ struct Product : jaxllama::Job {
   static constexpr int64_t kOut = kGated ? kLanes : kPanel;  // output columns per panel
   Product(int64_t quantizing, int64_t products, int64_t groups, int64_t per_group)
       : Job(quantizing + products), quantizing(quantizing), groups(groups), per_group(per_group) {}
-  const float *x, *w;  // float32 panels, or for quantized ones (w nullptr):
-  void* xq = nullptr;  // x quantized (`QuantizeRows`: int16; `QuantizeRowsToBytes`: int8), its scales xs,
-  float* xs = nullptr;  // (int8) its block sums xsum, the panels q and their scales
+  Kind kind = Kind::kFloat;
+  const float* x;
+  const void* w;  // the panels, and for quantized ones:
+  const void* scales = nullptr;  // their scales (float32; Nibbles: float16),
+  void* xq = nullptr;  // x quantized (`QuantizeRows`: int16; `QuantizeRowsToBytes`: int8), its scales xs and
+  float* xs = nullptr;  // (int8) its block sums xsum
   int32_t* xsum = nullptr;
-  const float* scales = nullptr;
-  const int8_t* q = nullptr;
-  bool quads = false;  // q holds Quads, else Pairs
   float* out;
   int64_t rows, k, n, panels;
   int64_t kp = 0;  // a quantized panel's inputs: k padded to whole blocks
@@ -311,7 +425,7 @@ struct Product : jaxllama::Job {
     const int64_t blocks = kp / kQBlock;
     if (c < quantizing) {
       const int64_t per = (rows + quantizing - 1) / quantizing, r0 = c * per, r1 = std::min(rows, r0 + per);
-      if (r0 < r1 && quads) {
+      if (r0 < r1 && kind != Kind::kPairs) {
         QuantizeRowsToBytes(x + r0 * k, r1 - r0, k, kp, static_cast<int8_t*>(xq) + r0 * kp, xs + r0 * blocks,
                             xsum + r0 * blocks);
       } else if (r0 < r1) {
@@ -324,18 +438,28 @@ struct Product : jaxllama::Job {
     c -= quantizing;
     const int64_t r0 = (c / groups) * kBlock, r1 = std::min(rows, r0 + kBlock);
     const int64_t p0 = (c % groups) * per_group, p1 = std::min(panels, p0 + per_group);
-    const int64_t step = q ? kQTilePanels : kTilePanels, tile_rows = q ? kQTile : kTile;
+    const bool quantized = kind != Kind::kFloat && kind != Kind::kBf16;
+    const int64_t step = quantized ? kQTilePanels : kTilePanels, tile_rows = quantized ? kQTile : kTile;
+    const auto* bytes = static_cast<const char*>(w);
     for (int64_t p = p0; p < p1;) {
       const bool whole = p + step <= p1;  // a tile of `step` panels, else of one
       for (int64_t r = r0; r < r1; r += tile_rows) {
         const int64_t tile = std::min(tile_rows, r1 - r);
-        if (q) {
-          const auto& tiles = quads ? kQuantizedTiles<Quads, kGated> : kQuantizedTiles<Pairs, kGated>;
-          const void* xr = static_cast<const char*>(xq) + r * kp * (quads ? 1 : 2);
-          tiles[whole][tile - 1](xr, xs + r * blocks, xsum ? xsum + r * blocks : nullptr, kp, q + p * kp * kPanel,
-                                 scales + p * blocks * kPanel, out + r * n + p * kOut, n, n, p);
+        float* o = out + r * n + p * kOut;
+        if (quantized) {
+          const auto& tiles = kind == Kind::kQuads   ? kQuantizedTiles<Quads, kGated>
+                              : kind == Kind::kPairs ? kQuantizedTiles<Pairs, kGated>
+                                                     : kQuantizedTiles<Nibbles, kGated>;
+          const void* xr = static_cast<const char*>(xq) + r * kp * (kind == Kind::kPairs ? 2 : 1);
+          const int64_t panel_bytes = kind == Kind::kNibbles ? kp / 2 * kPanel : kp * kPanel;
+          const int64_t scale_bytes = kind == Kind::kNibbles ? 2 : 4;
+          tiles[whole][tile - 1](xr, xs + r * blocks, xsum ? xsum + r * blocks : nullptr, kp, bytes + p * panel_bytes,
+                                 static_cast<const char*>(scales) + p * blocks * kPanel * scale_bytes, o, n, n, p);
+        } else if (kind == Kind::kBf16) {
+          const int64_t k2 = (k + 1) / 2 * 2;
+          kTiles<true, kGated>[whole][tile - 1](x + r * k, k, bytes + p * k2 * kPanel * 2, k, o, n, n, p);
         } else {
-          kTiles<kGated>[whole][tile - 1](x + r * k, k, w + p * k * kPanel, k, out + r * n + p * kOut, n, n, p);
+          kTiles<false, kGated>[whole][tile - 1](x + r * k, k, bytes + p * k * kPanel * 4, k, o, n, n, p);
         }
       }
       p += whole ? step : 1;
@@ -356,13 +480,23 @@ XLA_FFI_Error* Handle(XLA_FFI_CallFrame* frame) {
   if (frame->args.size < 2 || frame->args.size > 3 || frame->rets.size != 1 || !x || !w || !out ||
       (quantized && !scales))
     return Fail(api, "matmul: 2 or 3 buffer arguments, 1 buffer result");
-  const bool quads = w->dtype == XLA_FFI_DataType_U8;
-  if (x->dtype != XLA_FFI_DataType_F32 || out->dtype != XLA_FFI_DataType_F32 ||
-      (quantized ? !(quads || w->dtype == XLA_FFI_DataType_S8) : w->dtype != XLA_FFI_DataType_F32) ||
-      (quantized && scales->dtype != XLA_FFI_DataType_F32))
-    return Fail(api, "matmul: f32 x and out, f32 w, or s8 (pairs) or u8 (quads) w and f32 scales expected");
+  Kind kind = Kind::kFloat;
+  if (!quantized && w->dtype == XLA_FFI_DataType_BF16) {
+    kind = Kind::kBf16;
+  } else if (quantized && w->dtype == XLA_FFI_DataType_S8 && scales->dtype == XLA_FFI_DataType_F32) {
+    kind = Kind::kPairs;
+  } else if (quantized && w->dtype == XLA_FFI_DataType_U8 && scales->dtype == XLA_FFI_DataType_F32) {
+    kind = Kind::kQuads;
+  } else if (quantized && w->dtype == XLA_FFI_DataType_U8 && scales->dtype == XLA_FFI_DataType_F16) {
+    kind = Kind::kNibbles;
+  } else if (quantized || w->dtype != XLA_FFI_DataType_F32) {
+    return Fail(api, "matmul: w f32 or bf16, or s8 (pairs) or u8 (quads) w and f32 scales, or u8 (Q4_0) w and f16 "
+                     "scales expected");
+  }
+  if (x->dtype != XLA_FFI_DataType_F32 || out->dtype != XLA_FFI_DataType_F32)
+    return Fail(api, "matmul: f32 x and out expected");
   if (x->rank < 1 || w->rank != 3 || out->rank != x->rank || w->dims[2] != kPanel)
-    return Fail(api, "matmul: x [..., in], w [panels, in (quantized: padded to 32), 16] and out [..., out] expected");
+    return Fail(api, "matmul: x [..., in], w [panels, in (padded), 16] and out [..., out] expected");
   int64_t rows = 1;
   for (int64_t i = 0; i + 1 < x->rank; ++i) {
     if (out->dims[i] != x->dims[i]) return Fail(api, "matmul: x and out disagree");
@@ -370,7 +504,11 @@ XLA_FFI_Error* Handle(XLA_FFI_CallFrame* frame) {
   }
   const int64_t k = x->dims[x->rank - 1], n = out->dims[out->rank - 1], panels = w->dims[0];
   const int64_t kp = (k + kQBlock - 1) / kQBlock * kQBlock;
-  if (w->dims[1] != (quantized ? kp : k) || n > panels * kOut || n <= (panels - 1) * kOut)
+  const int64_t panel_inputs = kind == Kind::kFloat ? k
+                               : kind == Kind::kBf16  ? (k + 1) / 2 * 2
+                               : kind == Kind::kNibbles ? kp / 2
+                                                        : kp;
+  if (w->dims[1] != panel_inputs || n > panels * kOut || n <= (panels - 1) * kOut)
     return Fail(api, "matmul: w's shape disagrees with x or out");
   if (quantized && (scales->rank != 3 || scales->dims[0] != panels || scales->dims[2] != kPanel ||
                     scales->dims[1] != kp / kQBlock))
@@ -385,8 +523,9 @@ XLA_FFI_Error* Handle(XLA_FFI_CallFrame* frame) {
   // Quantized: x's rows quantized in up to 8 chunks of 4 or more rows, shared like the products.
   const int64_t quantizing = quantized ? std::min<int64_t>(8, (rows + 3) / 4) : 0;
   Product<kGated> job(quantizing, blocks * groups, groups, per_group);
+  job.kind = kind;
   job.x = static_cast<const float*>(x->data);
-  job.w = quantized ? nullptr : static_cast<const float*>(w->data);
+  job.w = w->data;
   // This thread's calls' quantized x, written and read by all the job's threads until RunJob returns.
   thread_local std::vector<int16_t> xq;
   thread_local std::vector<int8_t> xq8;
@@ -394,7 +533,7 @@ XLA_FFI_Error* Handle(XLA_FFI_CallFrame* frame) {
   thread_local std::vector<int32_t> xsum;
   if (quantized) {
     xs.resize(rows * (kp / kQBlock));
-    if (quads) {
+    if (kind != Kind::kPairs) {
       xq8.resize(rows * kp);
       xsum.resize(rows * (kp / kQBlock));
       job.xq = xq8.data();
@@ -404,9 +543,7 @@ XLA_FFI_Error* Handle(XLA_FFI_CallFrame* frame) {
       job.xq = xq.data();
     }
     job.xs = xs.data();
-    job.quads = quads;
-    job.q = static_cast<const int8_t*>(w->data);
-    job.scales = static_cast<const float*>(scales->data);
+    job.scales = scales->data;
     job.kp = kp;
   }
   job.out = static_cast<float*>(out->data);
@@ -420,9 +557,10 @@ XLA_FFI_Error* Handle(XLA_FFI_CallFrame* frame) {
 
 }  // namespace
 
-// Arguments: x [..., in] f32; w [panels, in, kPanel] f32 (`pack`), or quantized (`quantize`): w [panels, in
-// padded to whole blocks of kQBlock, kPanel], s8 in pairs of inputs (Pairs) or u8 in fours (Quads), then its
-// scales [panels, blocks, kPanel] f32. Result: [..., out] f32 with out <= panels x kPanel: the first `out` columns
+// Arguments: x [..., in] f32; w [panels, in, kPanel] f32 or [panels, in rounded up to even, kPanel] bf16 in pairs
+// (`pack`), or quantized (`quantize`): w [panels, in padded to whole blocks of kQBlock, kPanel], s8 in pairs of
+// inputs (Pairs) or u8 in fours (Quads), then its scales [panels, blocks, kPanel] f32; or Q4_0: w [panels, half
+// that, kPanel] u8 (`NibbleTile`), then its scales [panels, blocks, kPanel] f16. Result: [..., out] f32 with out <= panels x kPanel: the first `out` columns
 // of x @ the unpacked weight.
 extern "C" XLA_FFI_Error* JaxllamaMatmul(XLA_FFI_CallFrame* frame) { return Handle<false>(frame); }
 

@@ -1,10 +1,12 @@
 """The CPU kernels as the model's operations: `CpuOps` runs products on packed (or int8) weights, attention over the
 KV cache and greedy row statistics through the kernels of this package, and XLA's code for the rest.
 
-`prepare` packs every product's weight once (`matmul.pack`): the weights that multiply the same input as one product
-(stored under their names joined by "+", e.g. "wq+wk+wv"), the feed-forward gate and up projections as one gated
-product, a tied model's embedding also as its `output`; with `quantize`, every packed weight then becomes int8 blocks
-(`matmul.quantize`). The kernels need the library loaded (`library.load`): `jaxllama.backends.choose` does that.
+`prepare` packs every product's weight once, as stored (`matmul.pack`: float32, bfloat16, Q8_0 or Q4_0 `Blocks`):
+the weights that multiply the same input as one product where they are stored alike (under their names joined by
+"+", e.g. "wq+wk+wv"), the feed-forward gate and up projections as one gated product, a tied model's embedding also
+as its `output`; with `quantize`, every float weight then becomes blocks (`matmul.quantize`), while weights stored
+as blocks are read as stored. The kernels need the library loaded (`library.load`): `jaxllama.backends.choose` does
+that.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 from jaxllama.backends.cpu import library, matmul
 from jaxllama.backends.cpu.decode_attention import decode_attention
 from jaxllama.backends.cpu.row_stats import row_stats
+from jaxllama.core.blocks import BLOCK, GGUF_BLOCK_BYTES, Blocks
 from jaxllama.core.model import GATE_UP, PRODUCT_IN_DIMS, QKV
 from jaxllama.core.ops import NO_YNNPACK, Ops
 
@@ -34,7 +37,8 @@ GATED = {fused_key(GATE_UP): GATE_UP}
 
 @dataclasses.dataclass(frozen=True)
 class CpuOps(Ops):
-    """The CPU kernels' operations, on weights in float32 or quantized (`quantize`: one of matmul.QUANTIZATIONS)."""
+    """The CPU kernels' operations, on weights as stored or, where stored as floats, quantized at load (`quantize`:
+    one of matmul.QUANTIZATIONS). Q8_0 blocks are read in the layout of `quantize` "w8a8", else of "q8_0"."""
 
     quantize: str | None = None
 
@@ -43,23 +47,30 @@ class CpuOps(Ops):
 
     def prepare(self, params, config) -> dict:
         """Weights already packed stay as they are (params prepared by another CpuOps may be prepared again)."""
-        packed = _pack(params)
+        layout = "w8a8" if self.quantize == "w8a8" else "q8_0"
+        packed = _pack(params, layout)
         if isinstance(packed, dict) and config.tie_embeddings and "embedding" in packed and "output" not in packed:
-            packed["output"] = matmul.pack(packed["embedding"])
+            packed["output"] = matmul.pack(packed["embedding"], layout=layout)
         if self.quantize:
             unquantized = lambda w: isinstance(w, matmul.Packed) and w.scales is None
-            to_int8 = lambda w: matmul.quantize(w, self.quantize) if unquantized(w) else w
-            packed = jax.tree.map(to_int8, packed, is_leaf=lambda w: isinstance(w, matmul.Packed))
+            to_blocks = lambda w: matmul.quantize(w, self.quantize) if unquantized(w) else w
+            packed = jax.tree.map(to_blocks, packed, is_leaf=lambda w: isinstance(w, matmul.Packed))
         return packed
 
     def weight_bytes(self, config, dtype) -> int:
-        """Every product's weight packed (float32, or 1.125 bytes a weight: int8 and a float32 scale per 32), the
-        embedding kept in float32 for its lookups, the norms as they are."""
-        per_weight = 4 if self.quantize is None else 1 + 4 / matmul.Q_BLOCK
+        """The bytes of a model stored as `dtype` (a float dtype, or a Blocks format: "q8_0", "q4_0") once prepared:
+        every product's weight packed (`PACKED_BYTES`), the embedding kept as stored for its lookups, the norms as
+        they are."""
+        stored = dtype if dtype in GGUF_BLOCK_BYTES else jnp.dtype(dtype).name
+        packed = stored if stored in PACKED_BYTES else "float32"
+        if self.quantize and stored not in GGUF_BLOCK_BYTES:
+            packed = self.quantize
+        as_stored = GGUF_BLOCK_BYTES[stored] / BLOCK if stored in GGUF_BLOCK_BYTES else jnp.dtype(stored).itemsize
         embedding = config.vocab_size * config.dim
         norms = (2 * config.n_layers + 1) * config.dim
         products = config.n_params - norms - embedding + (embedding if config.tie_embeddings else 0)
-        return int(products * per_weight) + 4 * (embedding + norms)
+        norm_bytes = 4 if stored in GGUF_BLOCK_BYTES else jnp.dtype(stored).itemsize
+        return int(products * PACKED_BYTES[packed] + embedding * as_stored) + norm_bytes * norms
 
     def linear(self, x, w, in_dims: int = 1):
         if isinstance(w, matmul.Packed):
@@ -98,20 +109,38 @@ class CpuOps(Ops):
         return tuple(library.TARGETS)
 
 
-def _pack(node):
-    """A params (sub)tree with every product's weight packed, each group of products of one input as one product."""
+# Bytes a weight of each packed form: float32, bfloat16, int8 + a float32 scale per 32 (Q8_0's layouts), 4 bits + a
+# float16 scale per 32 (Q4_0).
+PACKED_BYTES = {
+    "float32": 4,
+    "bfloat16": 2,
+    "q8_0": 1 + 4 / BLOCK,
+    "w8a8": 1 + 4 / BLOCK,
+    "q4_0": 0.5 + 2 / BLOCK,
+}
+
+
+def _unpacked(w) -> bool:
+    return isinstance(w, (jax.Array, Blocks))
+
+
+def _pack(node, layout: str):
+    """A params (sub)tree with every product's weight packed, each group of products of one input, stored alike, as
+    one product (Q8_0 blocks in `layout`)."""
     if isinstance(node, list):
-        return [_pack(x) for x in node]
+        return [_pack(x, layout) for x in node]
     if not isinstance(node, dict):
         return node
-    node = {k: _pack(v) for k, v in node.items()}
+    node = {k: _pack(v, layout) for k, v in node.items()}
+    alike = lambda names: all(_unpacked(node.get(n)) for n in names) and len({matmul.kind(node[n]) for n in names}) == 1
     for fused, names in FUSED.items():
-        if all(name in node for name in names):
-            node[fused] = matmul.pack(*(node.pop(name) for name in names), in_dims=PRODUCT_IN_DIMS[names[0]])
+        if alike(names):
+            weights = (node.pop(name) for name in names)
+            node[fused] = matmul.pack(*weights, in_dims=PRODUCT_IN_DIMS[names[0]], layout=layout)
     for gated, names in GATED.items():
-        if all(name in node for name in names):
-            node[gated] = matmul.pack_gated(*(node.pop(name) for name in names))
+        if alike(names):
+            node[gated] = matmul.pack_gated(*(node.pop(name) for name in names), layout=layout)
     for name, in_dims in PRODUCT_IN_DIMS.items():
-        if isinstance(node.get(name), jax.Array):
-            node[name] = matmul.pack(node[name], in_dims=in_dims)
+        if _unpacked(node.get(name)):
+            node[name] = matmul.pack(node[name], in_dims=in_dims, layout=layout)
     return node

@@ -151,6 +151,49 @@ inline uint16_t FloatToHalf(float f) {
 #endif
 }
 
+// kRegLanes float16 values from p as floats: F16C's (or AVX-512's) vcvtph2ps where the CPU has it.
+inline Reg LoadHalves(const uint16_t* p) {
+#if defined(JAXLLAMA_WIDE)
+  return reinterpret_cast<Reg>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+  return reinterpret_cast<Reg>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  Reg v;
+  for (int i = 0; i < kRegLanes; ++i) v[i] = HalfToFloat(p[i]);
+  return v;
+#endif
+}
+
+// A block's sums of products of unsigned bytes of at most 15 (Q4_0's q + 8) by signed ones (x quantized to int8),
+// each RegInts lane summing its 4 bytes' products: `AddByteDots` over the block's inputs, then `BlockTotals`.
+// VNNI's vpdpbusd sums them in int32 lanes; without it pmaddubsw sums pairs into int16 lanes, which cannot
+// saturate over one block (16 products of at most 15 x 127: 30480 < 2^15), widened to int32 once per block.
+#if defined(JAXLLAMA_WIDE) && defined(__AVX512VNNI__)
+using BlockSums = RegInts;
+inline BlockSums AddByteDots(BlockSums acc, RegInts u, RegInts s) { return DotBytes(acc, u, s); }
+inline RegInts BlockTotals(BlockSums acc) { return acc; }
+#elif defined(JAXLLAMA_WIDE)
+using BlockSums = RegShorts;
+inline BlockSums AddByteDots(BlockSums acc, RegInts u, RegInts s) {
+  return acc + reinterpret_cast<RegShorts>(_mm512_maddubs_epi16(reinterpret_cast<__m512i>(u), reinterpret_cast<__m512i>(s)));
+}
+inline RegInts BlockTotals(BlockSums acc) {
+  return reinterpret_cast<RegInts>(_mm512_madd_epi16(reinterpret_cast<__m512i>(acc), _mm512_set1_epi16(1)));
+}
+#elif (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__) || !defined(__AVX2__)
+using BlockSums = RegInts;
+inline BlockSums AddByteDots(BlockSums acc, RegInts u, RegInts s) { return DotBytes(acc, u, s); }
+inline RegInts BlockTotals(BlockSums acc) { return acc; }
+#else
+using BlockSums = RegShorts;
+inline BlockSums AddByteDots(BlockSums acc, RegInts u, RegInts s) {
+  return acc + reinterpret_cast<RegShorts>(_mm256_maddubs_epi16(reinterpret_cast<__m256i>(u), reinterpret_cast<__m256i>(s)));
+}
+inline RegInts BlockTotals(BlockSums acc) {
+  return reinterpret_cast<RegInts>(_mm256_madd_epi16(reinterpret_cast<__m256i>(acc), _mm256_set1_epi16(1)));
+}
+#endif
+
 // A vector of V's type with every lane s: one broadcast (`V{} + s` would also add a zero).
 template <typename V, typename S>
 inline V Splat(S s) {
