@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from jaxllama.engine.request import Request, SamplingParams, Timings
 from jaxllama.engine.scheduler import Scheduler
 from jaxllama.text.stops import StopMatcher
+from jaxllama.text.structured import Grammar
 from jaxllama.text.tokenizer import Tokenizer
 
 
@@ -45,14 +46,33 @@ class Result:
 
 @dataclasses.dataclass
 class Event:
-    """New text of one request (`delta`), the tokens that made it (with their log-probabilities when the request
-    asked for them), and its `Result` when it has finished."""
+    """New text of one request's choice `index` (`delta`; a request asked for n samples has choices 0..n-1), the
+    tokens that made it (with their log-probabilities when the request asked for them), and the choice's `Result`
+    when it has finished; `last`: every choice of the request has finished (this is its last event)."""
 
     id: object
     delta: str
     result: Result | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] | None = None
+    index: int = 0
+    last: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+    """The engine's id for choice `index` of request `id` (a request with n > 1)."""
+
+    id: object
+    index: int
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of a request's choice `index`: its own stream, derived from the request's seed (choice 0 keeps it, so
+    n = 1 answers as before); None stays None (each choice then gets a seed of its own)."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % (1 << 63)
 
 
 class _Text:
@@ -94,6 +114,8 @@ class _Pending:
     prompt_tokens: int
     want_logprobs: bool
     finishing: bool = False  # the engine was told to end it
+    id: object = None  # the request's id (the engine's is a _Choice for n > 1)
+    index: int = 0
 
 
 class Generation:
@@ -101,7 +123,8 @@ class Generation:
 
     def __init__(self, engine: Scheduler, tokenizer: Tokenizer):
         self.engine, self.tokenizer = engine, tokenizer
-        self.pending: dict[object, _Pending] = {}
+        self.pending: dict[object, _Pending] = {}  # by the engine's id: the request's, or a _Choice's
+        self._choices: dict[object, list] = {}  # request id -> the engine ids of its choices not finished
 
     def submit(
         self,
@@ -112,22 +135,56 @@ class Generation:
         include_stop: bool = False,
         logprobs: bool = False,
         priority: int = 0,
+        grammar: Grammar | None = None,
+        n: int = 1,
     ) -> None:
         """Queue a request; raises ValueError (naming the problem) if it can never run. Requests of higher
-        `priority` get a slot first (`Request.priority`)."""
-        if id in self.pending:
+        `priority` get a slot first (`Request.priority`). `grammar`: what the text must match (its tokens are drawn
+        only among those that keep it matching; a text cut by max_tokens ends with "length"). `n`: samples of the
+        prompt, each with its own random stream (`choice_seed`); admitted together, they compute the prompt once."""
+        if id in self._choices:
             raise ValueError(f"request id {id!r} is already running")
-        text = _Text(self.tokenizer, stop, include_stop)  # validates the stop strings
-        self.engine.add(Request(id, list(prompt), params, priority=priority))
-        self.pending[id] = _Pending(text, len(prompt), logprobs)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n={n!r}: must be a positive integer")
+        _Text(self.tokenizer, stop, include_stop)  # validates the stop strings
+        requests = []
+        for i in range(n):
+            choice = dataclasses.replace(params, seed=choice_seed(params.seed, i))
+            constraint = grammar.matcher() if grammar is not None else None
+            key = id if n == 1 else _Choice(id, i)
+            requests.append(Request(key, list(prompt), choice, priority=priority, constraint=constraint))
+        for r in requests:
+            self.engine.check(r)
+        for i, r in enumerate(requests):
+            self.engine.add(r)
+            self.pending[r.id] = _Pending(
+                _Text(self.tokenizer, stop, include_stop), len(prompt), logprobs, False, id, i
+            )
+        self._choices[id] = [r.id for r in requests]
+
+    def running(self, id) -> bool:
+        """Whether request `id` has a choice that has not finished."""
+        return id in self._choices
 
     def cancel(self, id) -> None:
-        """Stop a request. A running one ends with a "cancelled" `Result` at the next step; one still waiting
+        """Stop a request. A running choice ends with a "cancelled" `Result` at the next step; one still waiting
         for a slot is dropped at once, with no event."""
-        waiting = self.engine.is_waiting(id)
-        self.engine.finish(id, "cancelled")
-        if waiting:
-            self.pending.pop(id, None)
+        for key in list(self._choices.get(id, ())):
+            waiting = self.engine.is_waiting(key)
+            self.engine.finish(key, "cancelled")
+            if waiting:
+                self.pending.pop(key, None)
+                self._choice_done(id, key)
+
+    def _choice_done(self, id, key) -> bool:
+        """Choice `key` of request `id` has finished; whether it was the request's last."""
+        left = self._choices.get(id, [])
+        if key in left:
+            left.remove(key)
+        if left:
+            return False
+        self._choices.pop(id, None)
+        return True
 
     def has_work(self) -> bool:
         return self.engine.has_work()
@@ -147,7 +204,7 @@ class Generation:
                     self.engine.finish(u.id, "stop", p.text.stops.stop_reason)  # free the slot now
                     p.finishing = True
                 if delta or new_ids:
-                    events.append(Event(u.id, delta, None, new_ids, new_logprobs))
+                    events.append(Event(p.id, delta, None, new_ids, new_logprobs, p.index))
                 continue
             reason, stop_reason = u.finish_reason, u.stop_reason
             if p.text.stopped:  # a stop string in this last update's text ends it, whatever else did
@@ -155,7 +212,7 @@ class Generation:
             delta += p.text.finish()
             del self.pending[u.id]
             result = Result(
-                id=u.id,
+                id=p.id,
                 text="".join(p.text.text),
                 token_ids=p.text.tokens,
                 finish_reason=reason,
@@ -165,7 +222,8 @@ class Generation:
                 logprobs=p.text.logprobs if p.want_logprobs else None,
                 cached_tokens=u.cached_tokens,
             )
-            events.append(Event(u.id, delta, result, new_ids, new_logprobs))
+            last = self._choice_done(p.id, u.id)
+            events.append(Event(p.id, delta, result, new_ids, new_logprobs, p.index, last))
         return events
 
     def run(self) -> Iterator[Event]:

@@ -29,10 +29,11 @@ from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir
 from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
 from jaxllama.generation import Generation, Result
-from jaxllama.protocol.requests import SAMPLING_FIELDS, sampling_params
+from jaxllama.protocol.requests import OUTPUT_FORMAT_FIELDS, SAMPLING_FIELDS, output_format, samples, sampling_params
 from jaxllama.text.chat_template import ChatTemplate, encode_chat
 from jaxllama.text.conversation import validate_messages
 from jaxllama.text.end_of_generation import end_of_generation_ids, load_generation_config
+from jaxllama.text.structured import Grammar, GrammarCompiler, OutputFormat
 from jaxllama.text.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -75,6 +76,7 @@ class LLM:
         )
         self.params = self.engine.params  # the weights the engine runs: prepared for its backend, no other copy
         self.generation = Generation(self.engine, tokenizer)
+        self.grammars = GrammarCompiler(tokenizer, config.vocab_size, self.eos_ids)
         self._next_id = 0
 
     @classmethod
@@ -195,6 +197,11 @@ class LLM:
         add_bos = self.tokenizer.add_bos if add_bos is None else add_bos
         return self.tokenizer.encode(text, add_bos=add_bos, allow_special=False)
 
+    def grammar(self, output: OutputFormat, params: SamplingParams) -> Grammar:
+        """The grammar a request's text must match (structured output), with the request's own stop ids; raises
+        InvalidParameter for a schema, regular expression or grammar that cannot be compiled."""
+        return self.grammars.compile(output, params.stop_token_ids)
+
     # ---- generation ------------------------------------------------------------------------------
 
     def generate(
@@ -211,9 +218,12 @@ class LLM:
         """Complete a prompt (text or token ids), or a list of prompts as one batch.
 
         Sampling keywords: max_tokens, temperature (0: greedy), top_k, top_p, min_p, seed,
-        repetition_penalty, presence_penalty, frequency_penalty, stop_token_ids. Returns a `Result`
-        (text, token_ids, finish_reason, stop_reason, usage, timings, logprobs), a list of them, or with
-        `stream=True` an iterator of text pieces (one prompt only).
+        repetition_penalty, presence_penalty, frequency_penalty, stop_token_ids, logit_bias ({token_id: bias}), n
+        (samples of each prompt), and one structured output field: response_format ({"type": "json_object"} or
+        {"type": "json_schema", "json_schema": {"schema": ...}}), guided_json (a schema), guided_regex or
+        guided_grammar (Lark). Returns a `Result` (text, token_ids, finish_reason, stop_reason, usage, timings,
+        logprobs), a list of them (one per prompt; with n > 1 each a list of n), or with `stream=True` an iterator
+        of text pieces (one prompt only).
 
         >>> llm.generate("The capital of France is", max_tokens=5, temperature=0).text  # doctest: +SKIP
         ' Paris.'
@@ -241,37 +251,39 @@ class LLM:
         return self._run(ids, single, stream, stop, include_stop, logprobs, sampling)
 
     def _run(self, ids, single, stream, stop, include_stop, logprobs, sampling):
-        unknown = set(sampling) - set(SAMPLING_FIELDS)
+        unknown = set(sampling) - set(SAMPLING_FIELDS) - set(OUTPUT_FORMAT_FIELDS) - {"n"}
         if unknown:
             raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
         params = sampling_params(sampling, SamplingParams())
+        output, n = output_format(sampling), samples(sampling)
+        grammar = self.grammar(output, params) if output else None
         stop = [stop] if isinstance(stop, str) else list(stop)
         if stream:
-            if not single:
-                raise ValueError("stream=True takes a single prompt or conversation")
-            return self._stream(ids[0], params, stop, include_stop)
+            if not single or n > 1:
+                raise ValueError("stream=True takes a single prompt or conversation, and n=1")
+            return self._stream(ids[0], params, stop, include_stop, grammar)
         request_ids = []
         for prompt_ids in ids:
             rid = self._new_id()
-            self.generation.submit(rid, prompt_ids, params, stop, include_stop, logprobs)
+            self.generation.submit(rid, prompt_ids, params, stop, include_stop, logprobs, grammar=grammar, n=n)
             request_ids.append(rid)
-        results = {}
+        results = {r: [None] * n for r in request_ids}
         for event in self.generation.run():
             if event.result is not None:
-                results[event.id] = event.result
-        out = [results[r] for r in request_ids]
+                results[event.id][event.index] = event.result
+        out = [results[r] if n > 1 else results[r][0] for r in request_ids]
         return out[0] if single else out
 
-    def _stream(self, prompt_ids, params, stop, include_stop) -> Iterator[str]:
+    def _stream(self, prompt_ids, params, stop, include_stop, grammar=None) -> Iterator[str]:
         rid = self._new_id()
-        self.generation.submit(rid, prompt_ids, params, stop, include_stop)
+        self.generation.submit(rid, prompt_ids, params, stop, include_stop, grammar=grammar)
         try:
             while self.generation.has_work():
                 for event in self.generation.step():
                     if event.id == rid and event.delta:
                         yield event.delta
         finally:
-            if rid in self.generation.pending:
+            if self.generation.running(rid):
                 self.generation.cancel(rid)
 
     def _new_id(self) -> str:

@@ -14,10 +14,16 @@ if TYPE_CHECKING:
     from jaxllama.generation import Result
 
 
-def success(line: JobLine, request: PreparedRequest, result: Result, model_name: str) -> dict:
-    """The answer to a line: `{"id", "message" | "text", "finish_reason", "stop_reason", "usage", "timings"}`."""
+def success(line: JobLine, request: PreparedRequest, result: Result | list[Result], model_name: str) -> dict:
+    """The answer to a line: `{"id", "message" | "text", "finish_reason", "stop_reason", "usage", "timings"}`; for
+    a line asking for n > 1 samples (`result`: their list), `{"id", "choices", "usage", "timings"}` with the
+    choices as the server answers them (`{"index", "message" | "text", "finish_reason", "stop_reason"}`)."""
     if line.openai:
         return _openai_success(line, request, result, model_name)
+    if isinstance(result, list):
+        body = responses.completion(request.kind, result, model_name)
+        choices = [{k: v for k, v in c.items() if k != "logprobs"} for c in body["choices"]]
+        return {"id": line.id, "choices": choices, "usage": body["usage"], "timings": body["timings"]}
     record = {"id": line.id}
     if request.kind == "chat":
         record["message"] = {"role": "assistant", "content": result.text}
@@ -32,7 +38,7 @@ def success(line: JobLine, request: PreparedRequest, result: Result, model_name:
     return record
 
 
-def _openai_success(line: JobLine, request: PreparedRequest, result: Result, model_name: str) -> dict:
+def _openai_success(line: JobLine, request: PreparedRequest, result: Result | list[Result], model_name: str) -> dict:
     body = responses.completion(request.kind, result, request.model or model_name)
     request_id = body["id"].split("-", 1)[1]
     return {

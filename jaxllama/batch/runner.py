@@ -149,7 +149,8 @@ class _Batch:
 
     def __init__(self, llm, pipeline: RequestPipeline, writer: OrderedWriter, stats: JobStats, progress: Progress):
         self.llm, self.pipeline, self.writer, self.stats, self.progress = llm, pipeline, writer, stats, progress
-        self.running: dict[int, tuple[JobLine, PreparedRequest]] = {}  # by line number, the engine's request id
+        # by line number, the engine's request id: the line, its request, its choices' results as they finish
+        self.running: dict[int, tuple[JobLine, PreparedRequest, list]] = {}
 
     def submit(self, line: JobLine) -> None:
         """Queue a line on the engine, or write its error record if it cannot run."""
@@ -159,11 +160,19 @@ class _Batch:
             # Longest first (by max_tokens): the job then ends with its short requests, rather than with a tail of
             # decode steps that run a few long ones in nearly empty batches. Output stays in file order.
             priority = request.params.max_tokens
-            self.llm.generation.submit(line.number, request.prompt, request.params, request.stop, priority=priority)
+            self.llm.generation.submit(
+                line.number,
+                request.prompt,
+                request.params,
+                request.stop,
+                priority=priority,
+                grammar=request.grammar,
+                n=request.n,
+            )
         except Exception as e:  # a line's failure, expected (a RequestError) or not, is its record
             self.fail(line, e)
             return
-        self.running[line.number] = (line, request)
+        self.running[line.number] = (line, request, [None] * request.n)
 
     def fail(self, line: JobLine, error: Exception) -> None:
         self.writer.put(line.number, records.failure(line, error))
@@ -177,19 +186,23 @@ class _Batch:
             for event in self.llm.generation.step():
                 if event.result is None:
                     continue
-                line, request = self.running.pop(event.id)
-                result = event.result
+                line, request, results = self.running[event.id]
+                results[event.index] = event.result
+                if not event.last:
+                    continue
+                del self.running[event.id]
                 try:
-                    record = records.success(line, request, result, model_name)
+                    record = records.success(line, request, results if request.n > 1 else results[0], model_name)
                 except Exception as e:  # one line's fault costs that line only
                     self.fail(line, e)
                     continue
                 self.writer.put(line.number, record)
+                tokens = sum(len(r.token_ids) for r in results)
                 self.stats.ok += 1
-                self.stats.prompt_tokens += result.prompt_tokens
-                self.stats.completion_tokens += len(result.token_ids)
-                self.stats.ttft_ms.append(result.timings.ttft_ms)
-                self.progress.update(ok=True, tokens=len(result.token_ids))
+                self.stats.prompt_tokens += results[0].prompt_tokens
+                self.stats.completion_tokens += tokens
+                self.stats.ttft_ms.append(results[0].timings.ttft_ms)
+                self.progress.update(ok=True, tokens=tokens)
 
 
 def summary(stats: JobStats, llm, before) -> dict:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -109,11 +109,14 @@ class Device:
         )
         self.cache = resize(self.cache, length)
 
-    def prefill(self, rows: Sequence[PrefillRow], sample: bool = True) -> Sampled | None:
+    def prefill(
+        self, rows: Sequence[PrefillRow], sample: bool = True, masks: Callable[[], np.ndarray] | None = None
+    ) -> Sampled | None:
         """Compute the rows' prompts into their slots' caches (the cache must hold start + the prompt bucket of
         every row) and, with `sample`, put each row in its decode slot and sample its first token; without, only
-        the caches are filled (a shared prefix) and nothing is returned."""
-        batch = _PrefillBatch.of(rows, self)
+        the caches are filled (a shared prefix) and nothing is returned. `masks`: gives the tokens each row's
+        first token may be, [rows, ceil(vocab / 32)] int32 bitmasks; called while the device runs the layers."""
+        batch = _PrefillBatch.of(rows, self, masked=masks is not None)
         inputs = self._put(batch.arrays)
         fn = functools.partial(step.prefill_inputs, config=self.config)
         x, positions, rope = self._call("prefill_inputs", fn, (self._outer, inputs["tokens"], inputs["starts"]))
@@ -122,6 +125,8 @@ class Device:
             jax.block_until_ready(x)
             return None
         x = self._call("prefill_last", step.prefill_last, (x, inputs["lengths"]))
+        if masks is not None:  # computed on the host while the layers run (dispatch is asynchronous)
+            inputs["mask"] = self._put(_padded_masks(masks(), batch.arrays["mask"]))
         args = (self._outer, self.state, x) + tuple(inputs[k] for k in _PrefillBatch.OUTPUT_ARGS)
         fn = functools.partial(step.prefill_outputs, config=self.config, flags=batch.flags, ops=self.ops)
         out = self._outputs_sharding(3)
@@ -130,12 +135,18 @@ class Device:
         return Sampled(first, logprobs, np.ones_like(first, bool), finish)
 
     def generate(
-        self, columns: Sequence[int], params: Sequence[SamplingParams], cancelled: Sequence[int] = ()
+        self,
+        columns: Sequence[int],
+        params: Sequence[SamplingParams],
+        cancelled: Sequence[int] = (),
+        masks: Callable[[], np.ndarray] | None = None,
     ) -> Sampled:
         """`decode_steps` decode steps over the slots `columns` (padded with the out-of-range index `slots`; all
         slots in order: every row), with a sampler compiled for the running requests' `params`; the slots
-        `cancelled` are stopped first. The cache must hold every active slot's next `decode_steps` positions."""
-        flags = SamplerFlags.of(params)
+        `cancelled` are stopped first. The cache must hold every active slot's next `decode_steps` positions.
+        `masks`: one step only, drawing each column's token among those its bitmask allows; it gives them,
+        [columns, ceil(vocab / 32)] int32, and is called while the device runs the step's layers."""
+        flags = dataclasses.replace(SamplerFlags.of(params), mask=masks is not None)
         keep = np.ones(self.slots, bool)
         keep[list(cancelled)] = False
         every = len(columns) == self.slots
@@ -144,10 +155,13 @@ class Device:
         layers_fn = functools.partial(step.decode_layers, config=self.config, ops=self.ops)
         outputs_fn = functools.partial(step.decode_outputs, config=self.config, flags=flags, ops=self.ops)
         steps = []
-        for _ in range(self.decode_steps):  # no host round trip between steps: each reads the last one's state
+        for _ in range(1 if masks else self.decode_steps):  # no host round trip between steps
             x, positions, rope = self._call("decode_inputs", inputs_fn, (self._outer, self.state, slots))
             x = self._decode_layers(layers_fn, x, positions, rope, slots)
-            args = (self._outer, self.state, keep, x, slots)
+            mask = None
+            if masks is not None:  # computed on the host while the layers run (dispatch is asynchronous)
+                mask = self._put(_padded_masks(masks(), np.full((len(columns), self.mask_words), -1, np.int32)))
+            args = (self._outer, self.state, keep, x, slots, mask)
             self.state, *out = self._call("decode_outputs", outputs_fn, args, flags, 1, self._outputs_sharding(4))
             steps.append(out)
             keep = kept  # cancellations apply at the first step
@@ -157,6 +171,11 @@ class Device:
 
     def _call(self, kind: str, fn, args, static_key=None, donate: int | None = None, out=None):
         return self.programs(kind, fn, args, static_key, donate, self._activations if out is None else out)
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of a token bitmask: one bit per token of the vocabulary."""
+        return (self.vocab_size + 31) // 32
 
     def _outputs_sharding(self, n: int):
         """An `*_outputs` program's: the decode state as it is, then n small replicated outputs."""
@@ -234,10 +253,11 @@ class _PrefillBatch:
     fresh: bool  # no row starts from a stored prefix
 
     # prefill_outputs' arguments after (params, state, x), by name in `arrays`.
-    OUTPUT_ARGS = ("starts", "lengths", "slots", "seen", "sampling", "max_tokens", "limits", "stop_ids")
+    OUTPUT_ARGS = ("starts", "lengths", "slots", "seen", "sampling", "max_tokens", "limits", "stop_ids", "mask")
 
     @staticmethod
-    def of(rows: Sequence[PrefillRow], device: Device) -> _PrefillBatch:
+    def of(rows: Sequence[PrefillRow], device: Device, masked: bool = False) -> _PrefillBatch:
+        """`masked`: the first tokens are drawn under bitmasks (then [n, mask_words] of ones until given)."""
         q = buckets.prompt_bucket(max(len(r.tokens) for r in rows), device.max_context)
         fresh = all(r.start == 0 for r in rows)
         span = q if fresh else buckets.bucket(max(r.start + q for r in rows), device.max_context)
@@ -264,12 +284,20 @@ class _PrefillBatch:
         a["sampling"] = SamplingRows(**SamplingRows.from_params(params, seeds))
         a["max_tokens"] = np.array([p.max_tokens for p in params], np.int32)
         a["limits"] = np.full(n, device.max_context, np.int32)
-        flags = SamplerFlags.of(params)
+        flags = dataclasses.replace(SamplerFlags.of(params), mask=masked)
+        a["mask"] = np.full((n, device.mask_words if masked else 1), -1, np.int32)
         a["seen"] = np.zeros((n, device.config.vocab_size if flags.penalize else 1), bool)
         if flags.penalize:
             for i, r in enumerate(rows):
                 a["seen"][i, r.request.prompt] = True
         return _PrefillBatch(a, flags, span, fresh)
+
+
+def _padded_masks(masks: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out (all ones: any token) with its first rows replaced by `masks`."""
+    out = out.copy()
+    out[: len(masks)] = masks
+    return out
 
 
 def _prepare(ops: Ops, params, config: ModelConfig, donate: bool):

@@ -6,7 +6,7 @@ that the scheduler can be run and tested against any object that keeps it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -57,12 +57,20 @@ class DeviceInterface(Protocol):
     def resize(self, length: int) -> None:
         """Give the KV cache `length` positions (truncating or zero-padding every slot's)."""
 
-    def prefill(self, rows: Sequence[PrefillRow], sample: bool = True) -> Sampled | None:
-        """Compute the rows into their slots; with `sample`, start them decoding and sample their first tokens."""
+    def prefill(
+        self, rows: Sequence[PrefillRow], sample: bool = True, masks: Callable[[], np.ndarray] | None = None
+    ) -> Sampled | None:
+        """Compute the rows into their slots; with `sample`, start them decoding and sample their first tokens
+        (each among the tokens its row of `masks()` allows: [rows, ceil(vocab / 32)] int32 bitmasks)."""
 
     def generate(
-        self, columns: Sequence[int], params: Sequence[SamplingParams], cancelled: Sequence[int] = ()
+        self,
+        columns: Sequence[int],
+        params: Sequence[SamplingParams],
+        cancelled: Sequence[int] = (),
+        masks: Callable[[], np.ndarray] | None = None,
     ) -> Sampled:
         """Advance slots `columns` (padded with the index `slots`) by `decode_steps` tokens, after stopping the slots
         `cancelled`; `params`: the sampling parameters of every running request (the programs compile only what
-        they need)."""
+        they need). With `masks`, by one token only, each column's among those its row of `masks()` allows
+        ([columns, ceil(vocab / 32)] int32 bitmasks, computed while the device runs the step's layers)."""

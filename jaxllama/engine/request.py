@@ -8,13 +8,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Literal
+from typing import Literal, Protocol
+
+import numpy as np
 
 from jaxllama.errors import InvalidParameter
 
 # Why a request ended: an end-of-generation token or a stop string ("stop"), its token budget or the context
 # ("length"), or a `finish` call from outside ("cancelled", or "stop" for a stop string found in the text).
 FinishReason = Literal["stop", "length", "cancelled"]
+
+MAX_LOGIT_BIAS = 300  # logit_bias entries a request may give (OpenAI's limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +37,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra end-of-generation ids for this request
     min_tokens: int = 0  # before this many tokens, no end-of-generation or stop token id is sampled (vLLM's)
     ignore_eos: bool = False  # the model's end-of-generation ids do not end it (stop_token_ids still do)
+    # OpenAI's {token_id: bias}: added to those tokens' logits before sampling; held as sorted (id, bias) pairs
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self.validate()
 
     def validate(self) -> None:
@@ -54,6 +61,12 @@ class SamplingParams:
                 "must be an integer from 0 to max_tokens",
             ),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "must be true or false"),
+            (
+                "logit_bias",
+                len(self.logit_bias) <= MAX_LOGIT_BIAS
+                and all(t >= 0 and _finite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
+                f"at most {MAX_LOGIT_BIAS} token ids >= 0, each with a bias in [-100, 100]",
+            ),
             ("repetition_penalty", _finite(self.repetition_penalty) and self.repetition_penalty > 0, "must be > 0"),
             (
                 "presence_penalty",
@@ -83,6 +96,22 @@ class SamplingParams:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1)
 
 
+def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, from a mapping (JSON gives its keys as strings) or pairs."""
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = {}
+        for token, bias in items:
+            if isinstance(token, bool) or isinstance(bias, bool) or not isinstance(bias, (int, float)):
+                raise ValueError
+            pairs[int(token)] = float(bias)
+    except (TypeError, ValueError):
+        raise InvalidParameter(
+            f'logit_bias={value!r}: must map token ids to numbers, e.g. {{"50256": -100}}', "logit_bias"
+        ) from None
+    return tuple(sorted(pairs.items()))
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -91,15 +120,33 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+class TokenConstraint(Protocol):
+    """What a request's output must match (structured output), as the engine sees it: a plain-Python matcher on the
+    host, asked for the tokens allowed next before each token is drawn, and told each token drawn. It allows an
+    end-of-generation id only where the output may end; `done` once nothing can follow (the request then ends)."""
+
+    def fill_mask(self, out: np.ndarray) -> None:
+        """Write the tokens allowed next into out [ceil(vocab / 32)] int32, a bitmask: bit t % 32 of word t // 32
+        for token t (llguidance's layout)."""
+
+    def accept(self, token: int) -> None:
+        """The token drawn."""
+
+    @property
+    def done(self) -> bool:
+        """Nothing may follow the tokens accepted so far."""
+
+
 @dataclasses.dataclass
 class Request:
-    """One generation request: prompt token ids and how to sample."""
+    """One generation request: prompt token ids, how to sample, and optionally what the output must match."""
 
     id: object
     prompt: list[int]
     params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     priority: int = 0  # admitted before queued requests of lower priority; in order of arrival among equals
+    constraint: TokenConstraint | None = None
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllama.core.ops import XLA, Ops, logprob_of
-from jaxllama.engine.request import SamplingParams
+from jaxllama.engine.request import MAX_LOGIT_BIAS, SamplingParams
 
 
 @jax.tree_util.register_dataclass
@@ -30,6 +30,8 @@ class SamplingRows:
     frequency_penalty: jax.Array
     min_tokens: jax.Array
     key: jax.Array  # [rows, 2] uint32 raw PRNG key data
+    bias_ids: jax.Array  # [rows, MAX_LOGIT_BIAS] int32: logit_bias token ids, padded with -1
+    bias_values: jax.Array  # [rows, MAX_LOGIT_BIAS] float32: what each adds to its token's logit
 
     @staticmethod
     def from_params(params: list[SamplingParams], seeds: list[int]) -> dict:
@@ -38,6 +40,12 @@ class SamplingRows:
 
         def col(name, dtype):
             return np.array([getattr(p, name) for p in params], dtype)
+
+        bias_ids = np.full((len(params), MAX_LOGIT_BIAS), -1, np.int32)
+        bias_values = np.zeros((len(params), MAX_LOGIT_BIAS), np.float32)
+        for i, p in enumerate(params):
+            for j, (token, bias) in enumerate(p.logit_bias):
+                bias_ids[i, j], bias_values[i, j] = token, bias
 
         return dict(
             temperature=col("temperature", np.float32),
@@ -51,6 +59,8 @@ class SamplingRows:
             key=np.stack([np.array([s >> 32 & 0xFFFFFFFF, s & 0xFFFFFFFF], np.uint32) for s in seeds])
             if seeds
             else np.zeros((0, 2), np.uint32),
+            bias_ids=bias_ids,
+            bias_values=bias_values,
         )
 
 
@@ -62,6 +72,8 @@ class SamplerFlags:
     filter: bool = False  # some row samples with top_k or top_p (among the CANDIDATES most likely tokens)
     penalize: bool = False  # some row uses a penalty
     hold_stops: bool = False  # some row has min_tokens: its stop ids are not sampled before them
+    bias: bool = False  # some row has a logit_bias
+    mask: bool = False  # some row samples only among the tokens a bitmask allows (structured output)
 
     @property
     def sample(self) -> bool:
@@ -75,6 +87,7 @@ class SamplerFlags:
             filter=any(p.filtered for p in params),
             penalize=any(p.penalized for p in params),
             hold_stops=any(p.min_tokens > 0 for p in params),
+            bias=any(p.logit_bias for p in params),
         )
 
 
@@ -108,11 +121,35 @@ def hold_stops(logits, rows: SamplingRows, step, stop_ids):
     return logits.at[at, jnp.maximum(stop_ids, 0)].min(jnp.where(held, -jnp.inf, jnp.inf))
 
 
+def apply_bias(logits, rows: SamplingRows):
+    """logits [b, v] with each row's logit_bias added (OpenAI's: before temperature and sampling)."""
+    at = jnp.arange(logits.shape[0])[:, None]
+    ids = jnp.where(rows.bias_ids >= 0, rows.bias_ids, logits.shape[-1])  # padding lands nowhere
+    return logits.at[at, ids].add(rows.bias_values, mode="drop")
+
+
+def apply_mask(logits, mask):
+    """logits [b, v] at -inf where the bitmask mask [b, ceil(v / 32)] int32 (bit t % 32 of word t // 32: token t
+    allowed, llguidance's layout) has a 0."""
+    token = jnp.arange(logits.shape[-1])
+    allowed = (jnp.right_shift(mask[:, token // 32], (token % 32)[None, :]) & 1) == 1
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def sample(
-    logits, rows: SamplingRows, step, flags: SamplerFlags, counts=None, seen=None, ops: Ops = XLA, stop_ids=None
+    logits,
+    rows: SamplingRows,
+    step,
+    flags: SamplerFlags,
+    counts=None,
+    seen=None,
+    ops: Ops = XLA,
+    stop_ids=None,
+    mask=None,
 ):
     """Draw one token per row. logits [b, v] float32; step [b]: index of the token being drawn; an all-greedy batch
-    takes its tokens from `ops.greedy`. stop_ids [b, e]: each row's end-of-generation ids (for min_tokens).
+    takes its tokens from `ops.greedy`. stop_ids [b, e]: each row's end-of-generation ids (for min_tokens). mask
+    [b, ceil(v / 32)] int32 (with `flags.mask`): the tokens each row may draw, as a bitmask (all ones: any).
 
     Returns (tokens [b] int32, logprobs [b] float32: log-probability of each token under the model's
     distribution after penalties and temperature, before top-k/top-p/min-p truncation).
@@ -121,6 +158,10 @@ def sample(
         logits = hold_stops(logits, rows, step, stop_ids)
     if flags.penalize:
         logits = apply_penalties(logits, rows, counts, seen)
+    if flags.bias:
+        logits = apply_bias(logits, rows)
+    if flags.mask:
+        logits = apply_mask(logits, mask)
     if not flags.sample:
         return ops.greedy(logits)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -17,12 +17,14 @@ import collections
 import dataclasses
 import heapq
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
 
 from jaxllama.engine import buckets
 from jaxllama.engine.interface import FINISH, STOPPED, DeviceInterface, PrefillRow, Sampled
 from jaxllama.engine.prefix import ResidentPrefixes, shared_prefixes
-from jaxllama.engine.request import FinishReason, Request, SamplingParams, Timings, Update
+from jaxllama.engine.request import FinishReason, Request, SamplingParams, Timings, TokenConstraint, Update
 from jaxllama.engine.stats import EngineStats
 from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
 
@@ -75,6 +77,10 @@ class Scheduler:
         if bad:
             message = f"stop_token_ids={list(stop_ids)}: {bad[0]} is outside the vocabulary (0..{vocab - 1})"
             raise InvalidParameter(message, "stop_token_ids")
+        bad = [t for t, _ in request.params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            message = f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+            raise InvalidParameter(message, "logit_bias")
 
     def add(self, request: Request) -> None:
         """Queue a request (a RequestError if it can never run). A max_tokens past the context or a top_k past the
@@ -189,7 +195,8 @@ class Scheduler:
         q = buckets.prompt_bucket(max(len(r.tokens) for r in rows), self.max_context)
         self._ensure_cache(max(r.start + q for r in rows))
         compiling, start = self.stats.compile_s, time.perf_counter()
-        out = self.device.prefill(rows, sample)
+        masks = self._masks([r.request.constraint for r in rows]) if sample else None
+        out = self.device.prefill(rows, sample, masks) if masks else self.device.prefill(rows, sample)
         now = time.perf_counter()
         self.stats.prefill_calls += 1
         self.stats.prefill_tokens += sum(len(r.tokens) for r in rows)
@@ -215,10 +222,16 @@ class Scheduler:
         columns = self._decode_columns()
         cancelled, self._stopping = sorted(self._stopping), set()
         compiling, start = self.stats.compile_s, time.perf_counter()
-        out = self.device.generate(columns, [s.request.params for s in self.active.values()], cancelled)
+        params = [s.request.params for s in self.active.values()]
+        # A constrained row needs its mask before each token: while one runs, calls advance one step.
+        masks = self._masks([self.active[c].request.constraint if c in self.active else None for c in columns])
+        if masks:
+            out = self.device.generate(columns, params, cancelled, masks)
+        else:
+            out = self.device.generate(columns, params, cancelled)
         self.stats.decode_s += time.perf_counter() - start - (self.stats.compile_s - compiling)
         self.stats.decode_calls += 1
-        self.stats.decode_steps += n_steps
+        self.stats.decode_steps += out.tokens.shape[0]
         self.stats.slot_steps += int(out.emitted.sum())
         updates = []
         for column, slot in enumerate(columns):
@@ -238,6 +251,15 @@ class Scheduler:
         s.generated += len(tokens)
         s.tokens += tokens
         reason = FINISH[int(out.finish[steps[-1], column])] if steps else None
+        constraint = s.request.constraint
+        if constraint is not None and reason is None:
+            for t in tokens:
+                constraint.accept(t)
+            if constraint.done:  # the output is complete and nothing may follow (e.g. no end-of-generation id)
+                del self.active[slot]
+                self._release(slot, s)
+                self._stopping.add(slot)
+                return [_final_update(s, tokens, logprobs, "stop", None)]
         if reason is None:
             return [Update(s.request.id, tokens, logprobs, **(_prompt_usage(s) if first else {}))]
         del self.active[slot]
@@ -268,6 +290,22 @@ class Scheduler:
             self.prefixes.truncate(target)
             self.stats.cache_resizes += 1
             self.stats.decode_s += time.perf_counter() - start
+
+    def _masks(self, constraints: list[TokenConstraint | None]) -> Callable[[], np.ndarray] | None:
+        """The function that gives each row's token bitmask (its constraint's; every token where it has none), or
+        None when no row is constrained."""
+        if not any(c is not None for c in constraints):
+            return None
+        words = (self.device.vocab_size + 31) // 32
+
+        def fill() -> np.ndarray:
+            out = np.full((len(constraints), words), -1, np.int32)
+            for row, c in zip(out, constraints, strict=True):
+                if c is not None:
+                    c.fill_mask(row)
+            return out
+
+        return fill
 
     # ---- ending -----------------------------------------------------------------------------------
 

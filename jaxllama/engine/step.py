@@ -97,10 +97,20 @@ def decode_layers(layer_params, x, positions, rope, cache: KVCache, slots=None, 
 
 
 def decode_outputs(
-    params, state: DecodeState, keep, x, slots=None, *, config: ModelConfig, flags: SamplerFlags, ops: Ops = XLA
+    params,
+    state: DecodeState,
+    keep,
+    x,
+    slots=None,
+    mask=None,
+    *,
+    config: ModelConfig,
+    flags: SamplerFlags,
+    ops: Ops = XLA,
 ):
     """Finish a decode step from the last layer's output x [b, 1, dim]: sample a token per row and advance the
-    rows' state, checking end of generation. keep [s] bool: false cancels a slot first.
+    rows' state, checking end of generation. keep [s] bool: false cancels a slot first. mask [b, ceil(vocab / 32)]
+    int32 (with `flags.mask`): the tokens each row may draw (`sampling.apply_mask`).
 
     Returns (state, tokens [b], logprobs [b], emitted [b] bool, finish [b]: FINISH codes), where b = s without
     `slots`.
@@ -108,7 +118,7 @@ def decode_outputs(
     state = dataclasses.replace(state, active=state.active & keep)
     rows = state if slots is None else _gather(state, slots)
     logits = head(params, config, x[:, 0], ops=ops)
-    tokens, logprobs = sample(logits, rows.rows, rows.step, flags, rows.counts, rows.seen, ops, rows.stop_ids)
+    tokens, logprobs = sample(logits, rows.rows, rows.step, flags, rows.counts, rows.seen, ops, rows.stop_ids, mask)
     was_active = rows.active
     rows, finish = _advance(rows, tokens, was_active, flags.penalize)
     state = rows if slots is None else _scatter(state, rows, slots, flags.penalize)
@@ -175,6 +185,7 @@ def prefill_outputs(
     max_tokens,
     limits,
     stop_ids,
+    mask,
     *,
     config: ModelConfig,
     flags: SamplerFlags,
@@ -183,7 +194,8 @@ def prefill_outputs(
     """Finish a prefill from the last layer's output at each row's last prompt token, x [n, 1, dim]: sample each
     row's first token and put the rows in decode slots `slots`. Row i computed prompt
     tokens [starts[i], starts[i] + lengths[i]). seen [n, vocab]: the whole prompt's tokens, for the
-    repetition penalty (or [n, 1] when no row uses penalties).
+    repetition penalty (or [n, 1] when no row uses penalties). mask [n, ceil(vocab / 32)] int32: the tokens each
+    row's first token may be (with `flags.mask`; else [n, 1], unread).
 
     Returns (state, first tokens [n], logprobs [n], finish [n]: FINISH codes, RUNNING unless the first token
     already ended the row).
@@ -194,7 +206,8 @@ def prefill_outputs(
     if seen.shape[1] != vocab:
         seen = jnp.zeros((n, vocab), bool)
     zeros = jnp.zeros((n,), jnp.int32)
-    first, logprobs = sample(logits, new_rows, zeros, flags, jnp.zeros((n, vocab), jnp.int32), seen, ops, stop_ids)
+    counts = jnp.zeros((n, vocab), jnp.int32)
+    first, logprobs = sample(logits, new_rows, zeros, flags, counts, seen, ops, stop_ids, mask)
 
     fresh = DecodeState(
         tokens=jnp.full((n,), -1, jnp.int32),

@@ -14,14 +14,17 @@ from typing import Protocol
 from jaxllama.engine.request import SamplingParams
 from jaxllama.errors import InvalidParameter
 from jaxllama.protocol.requests import OutputOptions, output_options, parse_body
+from jaxllama.text.structured import Grammar, OutputFormat
 
 
 class Encoder(Protocol):
-    """Text to prompt token ids: what `jaxllama.LLM` provides."""
+    """Text to prompt token ids, and an output format to its grammar: what `jaxllama.LLM` provides."""
 
     def encode(self, text: str) -> list[int]: ...
 
     def encode_chat(self, messages: list[dict]) -> list[int]: ...
+
+    def grammar(self, output: OutputFormat, params: SamplingParams) -> Grammar: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +37,8 @@ class PreparedRequest:
     stop: list[str]
     options: OutputOptions
     model: str | None = None  # the body's "model", if it is a string
+    grammar: Grammar | None = None  # what the text must match (structured output)
+    n: int = 1  # samples of the prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +69,8 @@ class RequestPipeline:
             prompt = self.encoder.encode_chat(with_system_prompt(parsed.messages, self.system_prompt))
         else:
             prompt = self.encoder.encode(parsed.prompt)
-        return PreparedRequest(kind, prompt, parsed.params, parsed.stop, options, parsed.model)
+        grammar = self.encoder.grammar(parsed.output, parsed.params) if parsed.output else None
+        return PreparedRequest(kind, prompt, parsed.params, parsed.stop, options, parsed.model, grammar, parsed.n)
 
 
 def with_system_prompt(messages: list[dict], system_prompt: str | None) -> list[dict]:

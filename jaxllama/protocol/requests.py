@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from jaxllama.engine.request import SamplingParams
 from jaxllama.errors import InvalidParameter, InvalidRequest
 from jaxllama.text.conversation import validate_messages
+from jaxllama.text.structured import OutputFormat, parse_json_schema
 
 SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams))
 """The sampling keywords a request (and `LLM.generate`) takes: `SamplingParams`' own fields."""
@@ -28,15 +29,15 @@ BOOLEAN_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if
 
 # OpenAI fields that would change the answer and are not implemented: each with the value that means "off".
 UNSUPPORTED = {
-    "n": 1,
-    "best_of": 1,
     "echo": False,
     "suffix": None,
-    "logit_bias": None,
     "tools": None,
     "functions": None,
-    "response_format": {"type": "text"},  # structured output is not implemented: refused, never ignored
 }
+
+OUTPUT_FORMAT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar")
+"""The fields that constrain the output (structured output): OpenAI's, and vLLM's guided_* (a JSON schema, a regular
+expression, a Lark grammar as llguidance reads it); a request may give one."""
 
 
 @dataclasses.dataclass
@@ -49,6 +50,8 @@ class ParsedBody:
     params: SamplingParams
     stop: list[str]
     model: str | None = None
+    output: OutputFormat | None = None  # what the text must match
+    n: int = 1  # samples of the prompt
 
 
 def parse_body(body: dict, kind: str, defaults: SamplingParams, default_stop: list[str] = ()) -> ParsedBody:
@@ -83,7 +86,53 @@ def parse_body(body: dict, kind: str, defaults: SamplingParams, default_stop: li
     params = sampling_params(body, defaults)
     stop = stop_strings(body, default_stop)
     model = body.get("model") if isinstance(body.get("model"), str) else None
-    return ParsedBody(kind, messages, prompt, params, stop, model)
+    return ParsedBody(kind, messages, prompt, params, stop, model, output_format(body), samples(body))
+
+
+MAX_N = 128
+"""Samples a request may ask for: each takes a decode slot."""
+
+
+def samples(values: Mapping) -> int:
+    """The body's "n" (samples of the prompt, default 1); "best_of" may only repeat it (choosing the best of more
+    samples than are returned is not done). Raises InvalidParameter."""
+    n = values.get("n")
+    n = 1 if n is None else n
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise InvalidParameter(f"n={n!r}: must be an integer from 1 to {MAX_N}", "n")
+    best_of = values.get("best_of")
+    if best_of is not None and best_of != n:
+        raise InvalidParameter(f"best_of={best_of!r}: only best_of equal to n ({n}) is supported", "best_of")
+    return n
+
+
+def output_format(values: Mapping) -> OutputFormat | None:
+    """What the text must match, from the fields of `OUTPUT_FORMAT_FIELDS` in `values` (a request body or
+    `LLM.generate`'s keywords; None or a text response_format: nothing). Raises InvalidParameter."""
+    given = [key for key in OUTPUT_FORMAT_FIELDS if values.get(key) is not None]
+    given = [key for key in given if not (key == "response_format" and values[key] == {"type": "text"})]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidParameter(f"{given[1]}: give one of {', '.join(given)}, not both", given[1])
+    key, value = given[0], values[given[0]]
+    if key == "guided_json":
+        return OutputFormat("json_schema", parse_json_schema(value, key), key)
+    if key in ("guided_regex", "guided_grammar"):
+        if not isinstance(value, str) or not value:
+            raise InvalidParameter(f"{key}: must be a non-empty string", key)
+        return OutputFormat("regex" if key == "guided_regex" else "grammar", value, key)
+    kinds = ("text", "json_object", "json_schema")
+    if not isinstance(value, dict) or value.get("type") not in kinds:
+        raise InvalidParameter(f"response_format: must be an object whose type is one of {', '.join(kinds)}", key)
+    if value["type"] == "json_object":
+        return OutputFormat("json_object", None, key)
+    if value["type"] == "text":
+        return None
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or spec.get("schema") is None:
+        raise InvalidParameter("response_format.json_schema: must be an object with a schema", key)
+    return OutputFormat("json_schema", parse_json_schema(spec["schema"], "response_format.json_schema.schema"), key)
 
 
 def lone_surrogate(value: object) -> tuple[str, str] | None:

@@ -25,23 +25,46 @@ def timings(result: Result) -> dict:
     return {k: round(v, 3) for k, v in dataclasses.asdict(result.timings).items()}
 
 
-def completion(kind: str, result: Result, model: str, *, id: str | None = None, logprobs: dict | None = None) -> dict:
-    """The whole answer: a `chat.completion` (kind "chat") or a `text_completion` (kind "completion")."""
-    choice = {"index": 0}
-    if kind == "chat":
-        choice["message"] = {"role": "assistant", "content": result.text}
-    else:
-        choice["text"] = result.text
-    choice.update(logprobs=logprobs, finish_reason=result.finish_reason, stop_reason=result.stop_reason)
+def completion(
+    kind: str,
+    result: Result | list[Result],
+    model: str,
+    *,
+    id: str | None = None,
+    logprobs: dict | list[dict | None] | None = None,
+) -> dict:
+    """The whole answer: a `chat.completion` (kind "chat") or a `text_completion` (kind "completion"), with one
+    choice per result (a request's n samples, in order; `logprobs` then one per result)."""
+    results = result if isinstance(result, list) else [result]
+    logprobs = logprobs if isinstance(logprobs, list) else [logprobs] * len(results)
     return {
         "id": id or new_id(kind),
         "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
-        "usage": result.usage,
-        "timings": timings(result),
+        "choices": [_choice(kind, i, r, lp) for i, (r, lp) in enumerate(zip(results, logprobs, strict=True))],
+        "usage": usage(results),
+        "timings": timings(results[0]),
     }
+
+
+def _choice(kind: str, index: int, result: Result, logprobs: dict | None) -> dict:
+    choice = {"index": index}
+    if kind == "chat":
+        choice["message"] = {"role": "assistant", "content": result.text}
+    else:
+        choice["text"] = result.text
+    choice.update(logprobs=logprobs, finish_reason=result.finish_reason, stop_reason=result.stop_reason)
+    return choice
+
+
+def usage(results: Result | list[Result]) -> dict:
+    """OpenAI's usage object of a request's results (its n samples): the prompt once, every sample's tokens."""
+    results = results if isinstance(results, list) else [results]
+    out = dict(results[0].usage)
+    out["completion_tokens"] = sum(len(r.token_ids) for r in results)
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    return out
 
 
 def chunk(
@@ -57,17 +80,19 @@ def chunk(
     logprobs: dict | None = None,
     usage: dict | None = None,
     include_usage: bool = False,
+    index: int = 0,
 ) -> dict:
-    """One streamed piece: a `chat.completion.chunk` or a `text_completion` with one choice. `role` opens a chat
+    """One streamed piece: a `chat.completion.chunk` or a `text_completion` with one choice (the request's choice
+    `index`, of its n samples). `role` opens a chat
     stream; `finish_reason` closes the choice. With `include_usage` every chunk has "usage" (null but in the
     last one, which has no choices: see `usage_chunk`)."""
     if kind == "chat":
         delta = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta}
+        choice = {"index": index, "delta": delta}
     else:
-        choice = {"index": 0, "text": text or ""}
+        choice = {"index": index, "text": text or ""}
     choice.update(logprobs=logprobs, finish_reason=finish_reason)
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
@@ -83,16 +108,18 @@ def chunk(
     return out
 
 
-def usage_chunk(kind: str, id: str, created: int, model: str, result: Result) -> dict:
-    """The last chunk of a stream asked with `stream_options.include_usage`: no choices, the usage."""
+def usage_chunk(kind: str, id: str, created: int, model: str, result: Result | list[Result]) -> dict:
+    """The last chunk of a stream asked with `stream_options.include_usage`: no choices, the usage (of every
+    choice: `result` may be the request's n results)."""
+    results = result if isinstance(result, list) else [result]
     return {
         "id": id,
         "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
         "created": created,
         "model": model,
         "choices": [],
-        "usage": result.usage,
-        "timings": timings(result),
+        "usage": usage(results),
+        "timings": timings(results[0]),
     }
 
 

@@ -125,12 +125,18 @@ class OpenAIHandlers:
             # every other connection (and /health) meanwhile.
             prepared = await asyncio.to_thread(self.pipeline.prepare, body, kind)
             stream = RequestStream(
-                self.worker, prepared.prompt, prepared.params, prepared.stop, prepared.options.logprobs
+                self.worker,
+                prepared.prompt,
+                prepared.params,
+                prepared.stop,
+                prepared.options.logprobs,
+                prepared.grammar,
+                prepared.n,
             )
             if prepared.options.stream:
                 first = await _unless_disconnected(request, stream.next(), stream)
             else:
-                result = await _unless_disconnected(request, _collect(stream), stream)
+                results = await _unless_disconnected(request, _collect(stream, prepared.n), stream)
         except REFUSALS as e:
             response = _refusal(e, kind)
         else:
@@ -139,15 +145,16 @@ class OpenAIHandlers:
                 headers = {"Cache-Control": "no-cache"}
                 response = StreamingResponse(events, media_type="text/event-stream", headers=headers)
             else:
-                response = JSONResponse(self._answer(prepared, result))
+                response = JSONResponse(self._answer(prepared, results))
         self.metrics.requests.labels(ENDPOINTS[kind], str(response.status_code)).inc()
         return response
 
-    def _answer(self, prepared: PreparedRequest, result: Result) -> dict:
-        logprobs = None
-        if result.logprobs is not None:
-            logprobs = _token_logprobs(prepared.kind, self.llm.tokenizer, result.token_ids, result.logprobs)
-        return responses.completion(prepared.kind, result, self.name, logprobs=logprobs)
+    def _answer(self, prepared: PreparedRequest, results: list[Result]) -> dict:
+        logprobs = [
+            None if r.logprobs is None else _token_logprobs(prepared.kind, self.llm.tokenizer, r.token_ids, r.logprobs)
+            for r in results
+        ]
+        return responses.completion(prepared.kind, results, self.name, logprobs=logprobs)
 
 
 def _refusal(error: Exception, kind: str) -> JSONResponse:
@@ -179,12 +186,15 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(stream: RequestStream) -> Result:
-    """The request's finished result."""
+async def _collect(stream: RequestStream, n: int) -> list[Result]:
+    """The request's finished results, one per choice."""
+    results = [None] * n
     while True:
         event = await stream.next()
         if event.result is not None:
-            return event.result
+            results[event.index] = event.result
+        if event.last:
+            return results
 
 
 def _token_logprobs(kind: str, tokenizer, token_ids, logprobs: list[float], offset: int = 0) -> dict:
@@ -208,21 +218,23 @@ async def _sse(stream: RequestStream, first: Event, prepared: PreparedRequest, m
 
     try:
         if kind == "chat":
-            yield chunk("", role=True)
-        event, offset = first, 0
+            for index in range(prepared.n):
+                yield chunk("", role=True, index=index)
+        event, offsets, results = first, [0] * prepared.n, [None] * prepared.n
         while True:
-            logprobs = None
+            i, logprobs = event.index, None
             if event.logprobs is not None and event.token_ids:
-                logprobs = _token_logprobs(kind, tokenizer, event.token_ids, event.logprobs, offset)
+                logprobs = _token_logprobs(kind, tokenizer, event.token_ids, event.logprobs, offsets[i])
             if event.delta or logprobs:
-                yield chunk(event.delta, logprobs=logprobs)
-            offset += len(event.delta)
+                yield chunk(event.delta, logprobs=logprobs, index=i)
+            offsets[i] += len(event.delta)
             if event.result is not None:
-                r = event.result
+                r = results[i] = event.result
                 end = None if kind == "chat" else ""
-                yield chunk(end, finish_reason=r.finish_reason, stop_reason=r.stop_reason)
+                yield chunk(end, finish_reason=r.finish_reason, stop_reason=r.stop_reason, index=i)
+            if event.last:
                 if usage:
-                    yield data(responses.usage_chunk(kind, rid, created, model, r))
+                    yield data(responses.usage_chunk(kind, rid, created, model, results))
                 break
             event = await stream.next()
         yield "data: [DONE]\n\n"

@@ -36,6 +36,8 @@ class _Submit:
     logprobs: bool
     deliver: Callable[[object], None]
     submitted: float
+    grammar: object = None  # a `jaxllama.text.structured.Grammar`: what the text must match
+    n: int = 1
 
 
 @dataclasses.dataclass
@@ -103,10 +105,13 @@ class EngineWorker:
         stop: list[str],
         logprobs: bool,
         deliver: Callable[[object], None],
+        grammar=None,
+        n: int = 1,
     ) -> int:
-        """Queue a request and return its id. `deliver` is called on the engine thread with each `Event` of the
-        request, in order (the last one carries the `Result`), or once with the exception that ended it (a
-        ValueError if it can never run, `EngineUnavailable`). Raises `QueueFull` or `EngineUnavailable` at once."""
+        """Queue a request (`n` samples of it; `grammar`: what their text must match) and return its id. `deliver`
+        is called on the engine thread with each `Event` of the request, in order (each choice's last carries its
+        `Result`; the request's last has `last` set), or once with the exception that ended it (a ValueError if it
+        can never run, `EngineUnavailable`). Raises `QueueFull` or `EngineUnavailable` at once."""
         with self._lock:
             if self.error is not None:
                 raise EngineUnavailable(f"the engine failed: {self.error!r}")
@@ -119,7 +124,8 @@ class EngineWorker:
                 )
             self._in_flight += 1
             rid = next(self._ids)
-        self._inbox.put(_Submit(rid, list(prompt), params, list(stop), logprobs, deliver, time.perf_counter()))
+        submit = _Submit(rid, list(prompt), params, list(stop), logprobs, deliver, time.perf_counter(), grammar, n)
+        self._inbox.put(submit)
         return rid
 
     def cancel(self, request_id: int) -> None:
@@ -195,7 +201,7 @@ class EngineWorker:
 
     def _admit(self, s: _Submit) -> None:
         try:
-            self.generation.submit(s.id, s.prompt, s.params, s.stop, logprobs=s.logprobs)
+            self.generation.submit(s.id, s.prompt, s.params, s.stop, logprobs=s.logprobs, grammar=s.grammar, n=s.n)
         except ValueError as e:
             self._release()
             _safe(s.deliver, e)
@@ -210,7 +216,7 @@ class EngineWorker:
             return
         tracked.deliver = None
         self.generation.cancel(rid)
-        if rid not in self.generation.pending:  # it was waiting for a slot: dropped at once
+        if not self.generation.running(rid):  # it was waiting for a slot: dropped at once
             del self._tracked[rid]
             self._release()
             if self.metrics:
@@ -229,11 +235,12 @@ class EngineWorker:
                     self.metrics.itl.observe(gap)
         if event.token_ids:
             tracked.last_token = now
-        if event.result is not None:
+        if event.result is not None and self.metrics:
+            self.metrics.completion_tokens.inc(len(event.result.token_ids))
+        if event.last:
             del self._tracked[event.id]
             self._release()
             if self.metrics:
-                self.metrics.completion_tokens.inc(len(event.result.token_ids))
                 self.metrics.finished.labels(event.result.finish_reason).inc()
         if tracked.deliver is not None:
             _safe(tracked.deliver, event)
@@ -272,21 +279,29 @@ class RequestStream:
     """One request as its HTTP handler sees it, on the handler's event loop: `await next()` gives its `Event`s
     in order (raising the error that ended it instead); `cancel()` stops it if it has not finished."""
 
-    def __init__(self, worker: EngineWorker, prompt: list[int], params: SamplingParams, stop, logprobs: bool):
+    def __init__(
+        self,
+        worker: EngineWorker,
+        prompt: list[int],
+        params: SamplingParams,
+        stop,
+        logprobs: bool,
+        grammar=None,
+        n: int = 1,
+    ):
         loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self.worker = worker
         self.finished = False
-        self.id = worker.submit(
-            prompt, params, stop, logprobs, lambda item: loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        )
+        deliver = lambda item: loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        self.id = worker.submit(prompt, params, stop, logprobs, deliver, grammar, n)
 
     async def next(self) -> Event:
         item = await self._queue.get()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        if item.result is not None:
+        if item.last:
             self.finished = True
         return item
 

@@ -45,6 +45,11 @@ class HFTokenizer(Tokenizer):
         add_bos = config.get("add_bos_token")
         self.add_bos = bool(add_bos) if add_bos is not None else template_bos is not None
 
+    @property
+    def tokenizer_json(self) -> str:
+        """The tokenizer.json text this tokenizer was built from."""
+        return self._json
+
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> HFTokenizer:
         """Load tokenizer.json and whichever config files exist in `folder`."""

@@ -78,6 +78,11 @@ class Llama3Tokenizer(Tokenizer):
         self.bos_id, self.eos_id = self.special_tokens[self.bos_token], self.special_tokens[self.eos_token]
         self.add_bos = True
 
+    @property
+    def encoding(self) -> tiktoken.Encoding:
+        """The tiktoken encoding: the ranks, the split pattern and the special tokens."""
+        return self._encoding
+
     def _encode(self, text: str, *, allow_special: bool) -> list[int]:
         allowed = "all" if allow_special else set()
         ids: list[int] = []
