@@ -14,6 +14,7 @@ from jaxllama.protocol.pipeline import RequestPipeline
 from jaxllama.protocol.requests import REQUEST_FIELDS, SAMPLING_FIELDS, output_options, parse_body, sampling_params
 from jaxllama.text.chat_template import ChatTemplate, ChatTemplateError
 from jaxllama.text.conversation import ConversationError
+from jaxllama.text.structured import OutputFormat
 
 DEFAULTS = SamplingParams(max_tokens=50, temperature=0.5)
 HI = [{"role": "user", "content": "hi"}]
@@ -42,9 +43,10 @@ def test_the_sampling_fields_are_those_of_sampling_params():
     assert set(REQUEST_FIELDS.values()) == set(SAMPLING_FIELDS) == {f for f in SamplingParams.__dataclass_fields__}
     every = {"max_tokens": 9, "temperature": 0.0, "top_k": 4, "top_p": 0.5, "min_p": 0.1, "seed": 2}
     every |= {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.5, "stop_token_ids": [3]}
-    every |= {"min_tokens": 2, "ignore_eos": True}
+    every |= {"min_tokens": 2, "ignore_eos": True, "logit_bias": {"7": -100, "3": 2.5}}
     assert set(every) == set(SAMPLING_FIELDS)
-    assert sampling_params(every, DEFAULTS) == SamplingParams(**{**every, "stop_token_ids": (3,)})
+    expected = {**every, "stop_token_ids": (3,), "logit_bias": ((3, 2.5), (7, -100.0))}
+    assert sampling_params(every, DEFAULTS) == SamplingParams(**expected)
     assert sampling_params({"max_tokens": 3, "max_completion_tokens": 4}, DEFAULTS).max_tokens == 4  # the later wins
 
 
@@ -56,14 +58,22 @@ def test_the_sampling_fields_are_those_of_sampling_params():
         ({"messages": HI, "temperature": True}, "chat", "invalid_parameter", "temperature"),
         ({"messages": HI, "stop_token_ids": [1.5]}, "chat", "invalid_parameter", "stop_token_ids"),
         ({"messages": HI, "stop": ["a", 3]}, "chat", "invalid_parameter", "stop"),
-        ({"messages": HI, "n": 3}, "chat", "invalid_parameter", "n"),
+        ({"messages": HI, "n": 0}, "chat", "invalid_parameter", "n"),
+        ({"messages": HI, "n": 1000}, "chat", "invalid_parameter", "n"),
         ({"messages": HI, "ignore_eos": 1}, "chat", "invalid_parameter", "ignore_eos"),
         ({"messages": HI, "max_tokens": 4, "min_tokens": 5}, "chat", "invalid_parameter", "min_tokens"),
-        ({"messages": HI, "logit_bias": {"1": 5}}, "chat", "invalid_parameter", "logit_bias"),
+        ({"messages": HI, "logit_bias": {"1": 101}}, "chat", "invalid_parameter", "logit_bias"),
+        ({"messages": HI, "logit_bias": {"one": 1}}, "chat", "invalid_parameter", "logit_bias"),
+        ({"messages": HI, "logit_bias": {str(i): 1 for i in range(301)}}, "chat", "invalid_parameter", "logit_bias"),
+        ({"messages": HI, "response_format": {"type": "xml"}}, "chat", "invalid_parameter", "response_format"),
+        ({"messages": HI, "response_format": {"type": "json_schema"}}, "chat", "invalid_parameter", "response_format"),
+        ({"messages": HI, "guided_regex": "a", "guided_json": {}}, "chat", "invalid_parameter", "guided_regex"),
+        ({"messages": HI, "guided_grammar": 3}, "chat", "invalid_parameter", "guided_grammar"),
         ({"messages": [{"role": "user"}]}, "chat", "invalid_messages", "messages"),
         ({"prompt": ["a", "b"]}, "completion", "invalid_request", "prompt"),
         ({"prompt": "x", "echo": True}, "completion", "invalid_parameter", "echo"),
         ({"prompt": "x", "best_of": 2}, "completion", "invalid_parameter", "best_of"),
+        ({"prompt": "x", "n": 2, "best_of": 3}, "completion", "invalid_parameter", "best_of"),
         # A lone surrogate (JSON's "\\udc00") is not text: no tokenizer takes it.
         ({"messages": [{"role": "user", "content": "a\udc00"}]}, "chat", "invalid_request", "messages"),
         ({"prompt": "\ud800"}, "completion", "invalid_request", "prompt"),
@@ -216,11 +226,19 @@ def test_a_job_pipeline_adds_the_system_prompt_and_refuses_what_a_record_cannot_
         pipeline.prepare({"messages": HI, "stream": "yes"}, "chat")
 
 
-def test_structured_output_is_refused_not_ignored():
-    assert parse_body({"prompt": "x", "response_format": {"type": "text"}}, "completion", DEFAULTS).prompt == "x"
-    with pytest.raises(E.InvalidParameter) as e:
-        parse_body({"messages": HI, "response_format": {"type": "json_object"}}, "chat", DEFAULTS)
-    assert e.value.param == "response_format"
+def test_output_formats_are_read_from_each_field():
+    def output(body):
+        return parse_body({"prompt": "x", **body}, "completion", DEFAULTS).output
+
+    assert output({}) is None and output({"response_format": {"type": "text"}}) is None
+    assert output({"response_format": {"type": "json_object"}}) == OutputFormat("json_object")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    spec = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    assert output({"response_format": spec}) == OutputFormat("json_schema", schema)
+    assert output({"guided_json": json.dumps(schema)}) == OutputFormat("json_schema", schema, "guided_json")
+    assert output({"guided_regex": "[a-z]+"}) == OutputFormat("regex", "[a-z]+", "guided_regex")
+    assert output({"guided_grammar": 'start: "a"'}) == OutputFormat("grammar", 'start: "a"', "guided_grammar")
+    assert parse_body({"prompt": "x", "n": 3, "best_of": 3}, "completion", DEFAULTS).n == 3
 
 
 def test_log_probabilities_that_are_not_finite_are_answered_as_the_floor():

@@ -98,7 +98,7 @@ class Characters:
     "body, kind",
     [
         ({"prompt": "x", "top_p": 1.5}, "completion"),
-        ({"prompt": "x", "n": 2}, "completion"),
+        ({"prompt": "x", "n": 0}, "completion"),
         ({"prompt": ["a", "b"]}, "completion"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "chat"),
         ({"messages": []}, "chat"),
@@ -192,7 +192,7 @@ class Engineless:
         self.generation = self
         self.submitted = []
 
-    def submit(self, rid, prompt, params, stop, priority):
+    def submit(self, rid, prompt, params, stop, priority, grammar=None, n=1):
         if prompt == Characters().encode("boom"):
             raise RuntimeError("a fault of jaxllama's")
         self.submitted.append(rid)

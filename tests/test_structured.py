@@ -1,0 +1,122 @@
+"""Structured output, n samples and logit_bias on SmolLM2, through `LLM` and the job runner: every constrained output
+parses and matches its schema or regular expression (checked with `jsonschema` and `re`, not with the library that
+constrained it), rows with different schemas share a batch, n samples are reproducible with a seed and the same
+whatever shares the batch, and logit_bias moves the greedy choice as OpenAI defines it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from jaxllama import LLM
+from jaxllama.batch.runner import run_job
+from jaxllama.engine.request import SamplingParams
+from jaxllama.errors import InvalidParameter
+from jaxllama.text.structured import GrammarCompiler, OutputFormat
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+COLORS = {
+    "type": "object",
+    "properties": {"colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
+    "required": ["colors"],
+    "additionalProperties": False,
+}
+DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_checkpoint):
+    return LLM.load(smollm2_checkpoint, max_slots=8, max_context=512, compilation_cache=False)
+
+
+def ask(content):
+    return [{"role": "user", "content": content}]
+
+
+def test_rows_with_their_own_schemas_in_one_job_all_parse_and_validate(llm, tmp_path):
+    """One job, one batch: two JSON schemas, any JSON object, a regular expression and an unconstrained line; each
+    constrained answer matches what its line asked for, and equals the answer the same request gets alone."""
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    lines = [
+        {"id": "person", "messages": ask("Describe a person as JSON."), "response_format": schema_format},
+        {"id": "colors", "messages": ask("List two colors as JSON."), "guided_json": COLORS},
+        {"id": "object", "messages": ask('Reply {"ok": true} as JSON.'), "response_format": {"type": "json_object"}},
+        {"id": "date", "messages": ask("When did you last travel?"), "guided_regex": DATE},
+        {"id": "free", "messages": ask("Say hello.")},
+    ]
+    job = tmp_path / "job.jsonl"
+    job.write_text("".join(json.dumps({**line, "max_tokens": 48, "temperature": 0}) + "\n" for line in lines))
+    stats, _ = run_job(llm, job, defaults=SamplingParams(), stop=[], quiet=True)
+    records = {r["id"]: r for r in map(json.loads, (tmp_path / "job.out.jsonl").read_text().splitlines())}
+    assert stats.ok == 5, records
+    text = {key: r["message"]["content"] for key, r in records.items()}
+    assert all(records[key]["finish_reason"] == "stop" for key in ("person", "colors", "object", "date")), records
+    jsonschema.validate(json.loads(text["person"]), PERSON)
+    jsonschema.validate(json.loads(text["colors"]), COLORS)
+    assert isinstance(json.loads(text["object"]), dict)
+    assert re.fullmatch(DATE, text["date"]), text["date"]
+    alone = llm.chat(ask("Describe a person as JSON."), max_tokens=48, temperature=0, response_format=schema_format)
+    assert alone.text == text["person"]
+    unconstrained = llm.chat(ask("Describe a person as JSON."), max_tokens=48, temperature=0)
+    assert unconstrained.text != text["person"]  # the constraint changed what the model would have said
+
+
+def test_sampled_constrained_rows_match_and_a_cut_one_says_length(llm):
+    results = llm.chat(ask("A person, as JSON."), max_tokens=48, temperature=0.8, seed=7, n=2, guided_json=PERSON)
+    for r in results:
+        assert r.finish_reason == "stop", r
+        jsonschema.validate(json.loads(r.text), PERSON)
+    cut = llm.chat(ask("A person, as JSON."), max_tokens=3, temperature=0, guided_json=PERSON)
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 3
+
+
+def test_n_samples_are_reproducible_distinct_and_batch_invariant(llm):
+    prompt, sampling = "My favourite animal is the", dict(max_tokens=8, temperature=1.0, seed=11)
+    first = llm.generate(prompt, n=4, **sampling)
+    assert [r.text for r in first] == [r.text for r in llm.generate(prompt, n=4, **sampling)]
+    assert len({r.text for r in first}) > 1  # each sample draws from its own stream
+    assert first[0].text == llm.generate(prompt, **sampling).text  # sample 0 keeps the request's seed
+    batched = llm.generate([prompt, "Once upon a time", prompt], n=4, **sampling)
+    assert [r.text for r in batched[0]] == [r.text for r in first] == [r.text for r in batched[2]]
+
+
+def test_logit_bias_forces_and_bans_tokens(llm):
+    prompt = "The capital of France is"
+    plain = llm.generate(prompt, max_tokens=6, temperature=0)
+    banned = plain.token_ids[0]
+    without = llm.generate(prompt, max_tokens=6, temperature=0, logit_bias={str(banned): -100})
+    assert banned not in without.token_ids and without.token_ids != plain.token_ids
+    forced = llm.tokenizer.encode(" Lyon")[0]
+    assert llm.generate(prompt, max_tokens=4, temperature=0, logit_bias={forced: 100}).token_ids == [forced] * 4
+    mild = llm.generate(prompt, max_tokens=6, temperature=0, logit_bias={forced: 0.01})
+    assert mild.token_ids == plain.token_ids  # a small bias leaves a confident choice alone
+
+
+def test_what_cannot_be_honoured_is_refused(llm):
+    with pytest.raises(InvalidParameter) as e:
+        llm.generate("x", guided_regex="(unclosed")
+    assert e.value.param == "guided_regex"
+    with pytest.raises(InvalidParameter) as e:
+        llm.generate("x", guided_grammar="start: undefined_rule")
+    assert e.value.param == "guided_grammar"
+    with pytest.raises(InvalidParameter) as e:
+        llm.generate("x", logit_bias={"10000000": 1})
+    assert e.value.param == "logit_bias"
+    with pytest.raises(ValueError):
+        llm.generate("x", n=2, stream=True)
+
+
+def test_a_sentencepiece_tokenizer_is_refused_clearly():
+    from jaxllama.text.sentencepiece_tokenizer import SentencePieceTokenizer
+
+    compiler = GrammarCompiler(object.__new__(SentencePieceTokenizer), 32000, [2])
+    with pytest.raises(InvalidParameter, match="tokenizer.json"):
+        compiler.compile(OutputFormat("regex", "a+", "guided_regex"))
