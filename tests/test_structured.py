@@ -19,7 +19,10 @@ from jaxllama.text.structured import GrammarCompiler, OutputFormat
 
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }
@@ -37,81 +40,83 @@ def llm(smollm2_checkpoint):
     return LLM.load(smollm2_checkpoint, max_slots=8, max_context=512, compilation_cache=False)
 
 
+@pytest.fixture(scope="module")
+def tiny(tiny_chat_checkpoint):
+    """The tiny random model, in the shape the server tests load it (their compiled programs are reused)."""
+    return LLM.load(tiny_chat_checkpoint, max_slots=8, max_context=64, compilation_cache=False)
+
+
 def ask(content):
     return [{"role": "user", "content": content}]
 
 
 def test_rows_with_their_own_schemas_in_one_job_all_parse_and_validate(llm, tmp_path):
-    """One job, one batch: two JSON schemas, any JSON object, a regular expression and an unconstrained line; each
-    constrained answer matches what its line asked for, and equals the answer the same request gets alone."""
-    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    """One job, one batch: two JSON schemas, any JSON object, a regular expression, n sampled answers to a schema,
+    one cut by max_tokens and an unconstrained line; each constrained answer that ends with "stop" matches what its
+    line asked for."""
+    person = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     lines = [
-        {"id": "person", "messages": ask("Describe a person as JSON."), "response_format": schema_format},
+        {"id": "person", "messages": ask("Describe a person as JSON."), "response_format": person},
         {"id": "colors", "messages": ask("List two colors as JSON."), "guided_json": COLORS},
         {"id": "object", "messages": ask('Reply {"ok": true} as JSON.'), "response_format": {"type": "json_object"}},
         {"id": "date", "messages": ask("When did you last travel?"), "guided_regex": DATE},
-        {"id": "free", "messages": ask("Say hello.")},
+        {"id": "sampled", "messages": ask("A person, as JSON."), "guided_json": PERSON, "n": 2, "temperature": 0.8},
+        {"id": "cut", "messages": ask("A person, as JSON."), "guided_json": PERSON, "max_tokens": 3},
+        {"id": "free", "messages": ask("Describe a person as JSON.")},
     ]
     job = tmp_path / "job.jsonl"
-    job.write_text("".join(json.dumps({**line, "max_tokens": 48, "temperature": 0}) + "\n" for line in lines))
+    job.write_text("".join(json.dumps({"max_tokens": 32, "temperature": 0, "seed": 7, **x}) + "\n" for x in lines))
     stats, _ = run_job(llm, job, defaults=SamplingParams(), stop=[], quiet=True)
     records = {r["id"]: r for r in map(json.loads, (tmp_path / "job.out.jsonl").read_text().splitlines())}
-    assert stats.ok == 5, records
-    text = {key: r["message"]["content"] for key, r in records.items()}
+    assert stats.ok == len(lines), records
+    text = {key: r["message"]["content"] for key, r in records.items() if "message" in r}
     assert all(records[key]["finish_reason"] == "stop" for key in ("person", "colors", "object", "date")), records
     jsonschema.validate(json.loads(text["person"]), PERSON)
     jsonschema.validate(json.loads(text["colors"]), COLORS)
     assert isinstance(json.loads(text["object"]), dict)
     assert re.fullmatch(DATE, text["date"]), text["date"]
-    alone = llm.chat(ask("Describe a person as JSON."), max_tokens=48, temperature=0, response_format=schema_format)
-    assert alone.text == text["person"]
-    unconstrained = llm.chat(ask("Describe a person as JSON."), max_tokens=48, temperature=0)
-    assert unconstrained.text != text["person"]  # the constraint changed what the model would have said
+    sampled = records["sampled"]["choices"]
+    assert [c["index"] for c in sampled] == [0, 1] and records["sampled"]["usage"]["completion_tokens"] > 0
+    for choice in sampled:
+        if choice["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+    assert records["cut"]["finish_reason"] == "length" and records["cut"]["usage"]["completion_tokens"] == 3
+    assert text["free"] != text["person"]  # the constraint changed what the model would have said
 
 
-def test_sampled_constrained_rows_match_and_a_cut_one_says_length(llm):
-    results = llm.chat(ask("A person, as JSON."), max_tokens=48, temperature=0.8, seed=7, n=2, guided_json=PERSON)
-    for r in results:
-        assert r.finish_reason == "stop", r
-        jsonschema.validate(json.loads(r.text), PERSON)
-    cut = llm.chat(ask("A person, as JSON."), max_tokens=3, temperature=0, guided_json=PERSON)
-    assert cut.finish_reason == "length" and len(cut.token_ids) == 3
-
-
-def test_n_samples_are_reproducible_distinct_and_batch_invariant(llm):
-    prompt, sampling = "My favourite animal is the", dict(max_tokens=8, temperature=1.0, seed=11)
-    first = llm.generate(prompt, n=4, **sampling)
-    assert [r.text for r in first] == [r.text for r in llm.generate(prompt, n=4, **sampling)]
+def test_n_samples_are_reproducible_distinct_and_batch_invariant(tiny):
+    prompt, sampling = "the cat sat on the mat", dict(max_tokens=6, temperature=1.0, seed=11)
+    first = tiny.generate(prompt, n=4, **sampling)
+    assert [r.text for r in first] == [r.text for r in tiny.generate(prompt, n=4, **sampling)]
     assert len({r.text for r in first}) > 1  # each sample draws from its own stream
-    assert first[0].text == llm.generate(prompt, **sampling).text  # sample 0 keeps the request's seed
-    batched = llm.generate([prompt, "Once upon a time", prompt], n=4, **sampling)
+    assert first[0].text == tiny.generate(prompt, **sampling).text  # sample 0 keeps the request's seed
+    batched = tiny.generate([prompt, "hello there", prompt], n=4, **sampling)
     assert [r.text for r in batched[0]] == [r.text for r in first] == [r.text for r in batched[2]]
 
 
-def test_logit_bias_forces_and_bans_tokens(llm):
-    prompt = "The capital of France is"
-    plain = llm.generate(prompt, max_tokens=6, temperature=0)
+def test_logit_bias_forces_and_bans_tokens(tiny):
+    prompt = "the cat sat on the mat"
+    plain = tiny.generate(prompt, max_tokens=6, temperature=0)
     banned = plain.token_ids[0]
-    without = llm.generate(prompt, max_tokens=6, temperature=0, logit_bias={str(banned): -100})
+    without = tiny.generate(prompt, max_tokens=6, temperature=0, logit_bias={str(banned): -100})
     assert banned not in without.token_ids and without.token_ids != plain.token_ids
-    forced = llm.tokenizer.encode(" Lyon")[0]
-    assert llm.generate(prompt, max_tokens=4, temperature=0, logit_bias={forced: 100}).token_ids == [forced] * 4
-    mild = llm.generate(prompt, max_tokens=6, temperature=0, logit_bias={forced: 0.01})
-    assert mild.token_ids == plain.token_ids  # a small bias leaves a confident choice alone
+    (forced,) = tiny.tokenizer.encode("q")
+    assert tiny.generate(prompt, max_tokens=4, temperature=0, logit_bias={forced: 100}).token_ids == [forced] * 4
+    assert tiny.generate(prompt, max_tokens=6, temperature=0, logit_bias={forced: 0}).token_ids == plain.token_ids
 
 
-def test_what_cannot_be_honoured_is_refused(llm):
+def test_what_cannot_be_honoured_is_refused(tiny):
     with pytest.raises(InvalidParameter) as e:
-        llm.generate("x", guided_regex="(unclosed")
+        tiny.generate("x", guided_regex="(unclosed")
     assert e.value.param == "guided_regex"
     with pytest.raises(InvalidParameter) as e:
-        llm.generate("x", guided_grammar="start: undefined_rule")
+        tiny.generate("x", guided_grammar="start: undefined_rule")
     assert e.value.param == "guided_grammar"
     with pytest.raises(InvalidParameter) as e:
-        llm.generate("x", logit_bias={"10000000": 1})
+        tiny.generate("x", logit_bias={"10000000": 1})
     assert e.value.param == "logit_bias"
     with pytest.raises(ValueError):
-        llm.generate("x", n=2, stream=True)
+        tiny.generate("x", n=2, stream=True)
 
 
 def test_a_sentencepiece_tokenizer_is_refused_clearly():

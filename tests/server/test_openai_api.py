@@ -5,6 +5,7 @@ usage, log-probabilities, and the errors it raises for bad requests. The oracle 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -113,6 +114,39 @@ def test_completion_logprobs_streamed(live, reference):
     )
     logprobs = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
     assert logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+
+
+def test_n_choices_whole_and_streamed(live):
+    """n samples of one prompt: choices indexed 0..n-1, usage counting every sample, and the same texts streamed
+    (their chunks told apart by `index`) as answered whole, for the same seed."""
+    request = dict(model=MODEL_NAME, messages=CHAT, max_tokens=6, temperature=1.0, seed=3, n=3)
+    whole = live.client().chat.completions.create(**request)
+    assert [c.index for c in whole.choices] == [0, 1, 2] and len({c.message.content for c in whole.choices}) > 1
+    assert whole.usage.completion_tokens == 18 or all(c.finish_reason for c in whole.choices)
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    texts, finished = ["", "", ""], set()
+    stream = live.client().chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+        if chunk.usage:
+            assert chunk.usage.completion_tokens == whole.usage.completion_tokens
+    assert texts == [c.message.content for c in whole.choices] and finished == {0, 1, 2}
+
+
+def test_guided_regex_and_logit_bias(live):
+    """A regular expression that the tiny model's answer must match, ended by the grammar; a token that logit_bias
+    raises by 100 comes every time."""
+    client = live.client()
+    r = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=1, extra_body={"guided_regex": "[0-9]{3}"}
+    )
+    assert re.fullmatch("[0-9]{3}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    (forced,) = live.llm.tokenizer.encode("q")
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, logit_bias={str(forced): 100})
+    assert r.choices[0].text == "qqqq"
 
 
 def test_max_tokens_default_and_max_completion_tokens(live):
