@@ -1,8 +1,9 @@
-"""The CPU matmul kernel alone at SmolLM2's product shapes: ms per call and G(FL)OP/s for float32 panels and each
-quantized format (`matmul.QUANTIZATIONS`), against numpy's (OpenBLAS) product of the same shape, each call timed in
-a jitted chain of `repeat` calls.
+"""The CPU matmul kernel alone at a model's product shapes, for each form a weight is read in: float32 and
+bfloat16 panels, and each quantized format (`matmul.QUANTIZATIONS`: q8_0, w8a8, q4_0), against numpy's (OpenBLAS)
+float32 product of the same shape. Per call, timed in a jitted chain of `repeat` calls: ms, G(FL)OP/s and GB/s of
+weights read (each form's own bytes), and each form's speed as a ratio to float32's.
 
-    python -m benchmarks.matmul_bench [--rows 1,32,64,512] [--repeat 20]
+    python -m benchmarks.matmul_bench [--model smollm2|llama-3.2-1b] [--rows 1,32] [--repeat 20] [--shapes qkv,o]
 """
 
 from __future__ import annotations
@@ -17,8 +18,25 @@ import numpy as np
 from jaxllama.backends.cpu import library, matmul
 from jaxllama.engine.runtime import cache_dir
 
-# SmolLM2-135M: q/k/v as one product, o, gate/up as one gated product, down, the output layer.
-SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 1536), "down": (1536, 576), "output": (576, 49152)}
+# Each model's products as (in, out): q/k/v as one product, o, gate/up as one gated product (out: its hidden
+# size), down, the output layer (the vocabulary of the random-weight checkpoints of real shapes: 49,152).
+MODELS = {
+    "smollm2": {
+        "qkv": (576, 960),
+        "o": (576, 576),
+        "gate_up": (576, 1536),
+        "down": (1536, 576),
+        "output": (576, 49152),
+    },
+    "llama-3.2-1b": {
+        "qkv": (2048, 3072),
+        "o": (2048, 2048),
+        "gate_up": (2048, 8192),
+        "down": (8192, 2048),
+        "output": (2048, 49152),
+    },
+}
+FORMS = ("float32", "bfloat16", *matmul.QUANTIZATIONS)
 
 
 def _time(fn, *args, repeats: int = 5) -> float:
@@ -48,25 +66,42 @@ def _list(value) -> list[str]:
     return [str(v) for v in value] if isinstance(value, (tuple, list)) else str(value).split(",")
 
 
-def main(rows: str = "1,32,64,512", repeat: int = 20, shapes: str = ",".join(SHAPES)):
+def _forms(w: jax.Array, gated: bool) -> dict[str, matmul.Packed]:
+    """The weight w [out, in] (gated: gate rows then up rows) packed in each of FORMS."""
+    half = w.shape[0] // 2
+    pack = (lambda v: matmul.pack_gated(v[:half], v[half:])) if gated else matmul.pack
+    float32, bfloat16 = pack(w), pack(w.astype(jnp.bfloat16))
+    return {"float32": float32, "bfloat16": bfloat16, **{q: matmul.quantize(float32, q) for q in matmul.QUANTIZATIONS}}
+
+
+def _bytes(w: matmul.Packed) -> int:
+    return w.panels.nbytes + (0 if w.scales is None else w.scales.nbytes)
+
+
+def main(model: str = "smollm2", rows: str = "1,32", repeat: int = 20, shapes: str = ""):
     if not library.load(cache_dir() / "kernels"):
         raise SystemExit("the CPU kernels could not be built")
     rng = np.random.default_rng(0)
-    formats = ("float32", *matmul.QUANTIZATIONS, "numpy")
-    print(f"{'shape':>8} {'rows':>5}" + "".join(f" | {name + ' ms':>12} {'G(FL)OP/s':>9}" for name in formats))
-    for name in _list(shapes):
-        n_in, n_out = SHAPES[name]
-        w = jnp.asarray(rng.standard_normal((2 * n_out if name == "gate_up" else n_out, n_in), np.float32) * 0.02)
-        packed = matmul.pack_gated(w[:n_out], w[n_out:]) if name == "gate_up" else matmul.pack(w)
-        products = [packed, *(matmul.quantize(packed, name) for name in matmul.QUANTIZATIONS)]
+    sizes = MODELS[model]
+    print(f"{model}; per form: ms per call, G(FL)OP/s, GB/s of its weights read, speed / float32's")
+    print(f"{'shape':>8} {'rows':>5}" + "".join(f" | {name:>27}" for name in (*FORMS, "numpy float32")))
+    for name in _list(shapes) if shapes else sizes:
+        n_in, n_out = sizes[name]
+        gated = name == "gate_up"
+        w = jnp.asarray(rng.standard_normal((2 * n_out if gated else n_out, n_in), np.float32) * 0.02)
+        products = _forms(w, gated)
         wn = np.asarray(w).T.copy()
         for m in map(int, _list(rows)):
             x = jnp.asarray(rng.standard_normal((m, n_in), np.float32))
             flop = 2 * m * wn.shape[0] * wn.shape[1]
-            times = [_time(_chain(p, repeat), x) / repeat for p in products]
+            times = {f: _time(_chain(p, repeat), x) / repeat for f, p in products.items()}
             xn = np.asarray(x)
-            times.append(_time(lambda xn=xn, wn=wn: [xn @ wn for _ in range(repeat)]) / repeat)
-            print(f"{name:>8} {m:>5}" + "".join(f" | {t * 1e3:12.3f} {flop / t / 1e9:9.1f}" for t in times))
+            times["numpy float32"] = _time(lambda xn=xn, wn=wn: [xn @ wn for _ in range(repeat)]) / repeat
+            cells = []
+            for f, t in times.items():
+                read = _bytes(products[f]) if f in products else wn.nbytes
+                cells.append(f"{t * 1e3:7.3f} {flop / t / 1e9:6.1f} {read / t / 1e9:5.1f} {times['float32'] / t:4.2f}x")
+            print(f"{name:>8} {m:>5}" + "".join(f" | {c:>27}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -132,7 +132,17 @@ def _float_panels(rows: jax.Array) -> jax.Array:
     if rows.dtype == jnp.float32:
         return rows.reshape(n // PANEL, PANEL, k).transpose(0, 2, 1)
     rows = jnp.pad(rows, ((0, 0), (0, k % 2)))
-    return rows.reshape(n // PANEL, PANEL, -1, 2).transpose(0, 2, 1, 3).reshape(n // PANEL, -1, PANEL)
+    return _interleave(rows.reshape(n // PANEL, PANEL, -1, 2))
+
+
+def _interleave(groups: jax.Array) -> jax.Array:
+    """[panels, PANEL, in / g, g] -> [panels, in, PANEL] holding each column's inputs in groups of g: a transpose of
+    g-element words (bitcast to one wider integer each, which XLA transposes several times faster)."""
+    panels, cols, n, g = groups.shape
+    word = {2: jnp.uint16, 4: jnp.uint32}[g * groups.dtype.itemsize]
+    words = jax.lax.bitcast_convert_type(groups, word)
+    out = jax.lax.bitcast_convert_type(words.transpose(0, 2, 1), groups.dtype)  # [panels, in / g, PANEL, g]
+    return out.reshape(panels, n * g, cols)
 
 
 def _quantized(q: jax.Array, scales: jax.Array, out_shapes, gated: bool, layout: str) -> Packed:
@@ -144,12 +154,12 @@ def _quantized(q: jax.Array, scales: jax.Array, out_shapes, gated: bool, layout:
     if layout == "q4_0":
         q = q.reshape(n, kp // 8, 2, 4)
         q = q[:, :, 0] | (q[:, :, 1] << 4)  # inputs 0..3 of each 8 in the low nibbles, 4..7 in the high ones
-        q = q.reshape(panels, PANEL, kp // 8, 4).transpose(0, 2, 1, 3).reshape(panels, kp // 2, PANEL)
+        q = _interleave(q.reshape(panels, PANEL, kp // 8, 4))
         return Packed(q, out_shapes, gated, scales.astype(jnp.float16))
     group = 2 if layout == "q8_0" else 4
-    q = q.reshape(panels, PANEL, kp // group, group).transpose(0, 2, 1, 3).reshape(panels, kp, PANEL)
     if layout == "w8a8":
         q = (q.astype(jnp.int16) + 128).astype(jnp.uint8)
+    q = _interleave(q.reshape(panels, PANEL, kp // group, group))
     return Packed(q, out_shapes, gated, scales.astype(jnp.float32))
 
 
