@@ -229,7 +229,9 @@ def dequantize(w: Packed) -> np.ndarray:
 
 
 def matmul(x: jax.Array, w: Packed) -> jax.Array | tuple[jax.Array, ...]:
-    """x [..., in] @ the packed weight -> [..., *out], or a tuple of them for several weights packed as one."""
+    """x [..., in] @ the packed weight -> [..., *out] float32, or a tuple of them for several weights packed as one.
+    The kernel reads and writes float32 activations, whatever the weights' form."""
+    x = x.astype(jnp.float32)
     sizes = [int(np.prod(shape)) for shape in w.out_shapes]
     target = GATED_TARGET if w.gated else TARGET
     weights = (w.panels,) if w.scales is None else (w.panels, w.scales)
