@@ -229,13 +229,15 @@ def dequantize(w: Packed) -> np.ndarray:
 
 
 def matmul(x: jax.Array, w: Packed) -> jax.Array | tuple[jax.Array, ...]:
-    """x [..., in] @ the packed weight -> [..., *out] float32, or a tuple of them for several weights packed as one.
-    The kernel reads and writes float32 activations, whatever the weights' form."""
+    """x [..., in] @ the packed weight -> [..., *out] in x's dtype, or a tuple of them for several weights packed as
+    one. The kernel reads and writes float32 (a model computing in bfloat16 rounds the results to it)."""
+    dtype = x.dtype
     x = x.astype(jnp.float32)
     sizes = [int(np.prod(shape)) for shape in w.out_shapes]
     target = GATED_TARGET if w.gated else TARGET
     weights = (w.panels,) if w.scales is None else (w.panels, w.scales)
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x.shape[:-1], sum(sizes)), x.dtype))(x, *weights)
+    out = out.astype(dtype)
     lead = x.shape[:-1]
     if len(sizes) == 1:
         return out.reshape(*lead, *w.out_shapes[0])

@@ -94,11 +94,12 @@ class CpuOps(Ops):
         runs a prefill's attention too: XLA's runs its softmax on one thread)."""
         b, t = q.shape[:2]
         slots = jnp.repeat(jnp.arange(b) if rows is None else rows, t)
-        out = decode_attention(q.reshape(b * t, *q.shape[2:]), cache_k, cache_v, slots, positions.reshape(-1))
-        return out.reshape(q.shape)
+        queries = q.reshape(b * t, *q.shape[2:]).astype(jnp.float32)  # the kernel computes in float32
+        out = decode_attention(queries, cache_k, cache_v, slots, positions.reshape(-1))
+        return out.reshape(q.shape).astype(q.dtype)
 
     def greedy(self, logits):
-        tokens, top, logz = row_stats(logits)  # one pass over the logits, on every thread
+        tokens, top, logz = row_stats(logits.astype(jnp.float32))  # one pass over the logits, on every thread
         return tokens, top - logz
 
     def compiler_options(self, program: str) -> dict:

@@ -188,6 +188,18 @@ def test_prepare_reads_weights_as_stored(stored, tied):
     assert np.abs(got - want).max() <= tolerance * np.abs(want).max(), np.abs(got - want).max() / np.abs(want).max()
 
 
+def test_a_model_computing_in_bfloat16_runs_on_the_kernels():
+    """Every weight bfloat16, the embedding too (the model computes in bfloat16, its cache too): the kernels compute
+    in float32 and round their results to bfloat16, close to XLA's bfloat16 forward pass."""
+    config = tiny_config()
+    params = jax.tree.map(lambda w: w.astype(jnp.bfloat16), spread_params(config, seed=7))
+    ops = CpuOps()
+    tokens = jnp.asarray([[1, 5, 9, 30, 77, 2, 100]])
+    got = np.asarray(sequence_logits(ops.prepare(params, config), config, tokens, ops=ops))
+    want = np.asarray(sequence_logits(params, config, tokens))
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max(), np.abs(got - want).max() / np.abs(want).max()
+
+
 def test_weight_bytes_count_each_stored_form():
     """Per product weight: float32 4 bytes, bfloat16 2, Q8_0 1.125, Q4_0 0.5625 (stored so, or quantized at load);
     the embedding as stored."""
