@@ -1,10 +1,11 @@
 """GGUF files (llama.cpp): metadata under `{arch}.*`, tensors `token_embd`, `blk.N.*`, `output_norm`, `output`.
 
 Every tensor type the `gguf` library dequantizes is accepted (F32, F16, BF16, Q8_0, Q4_0, Q4_1, K-quants,
-...). llama.cpp's converter already permuted q/k back to Meta's interleaved rotary layout, so they are
-used as they are. A `rope_freqs` tensor (Llama 3.1 rope scaling as llama.cpp stores it) becomes
-`ModelConfig.rope_freq_factors`. The tokenizer is rebuilt from the file's vocabulary
-(`jaxllama.text.gguf_vocab`), so the converted checkpoint needs nothing but itself.
+...); Q8_0 and Q4_0 tensors can also be read as the blocks they are (`read_blocks`). llama.cpp's converter
+already permuted q/k back to Meta's interleaved rotary layout, so they are used as they are. A `rope_freqs`
+tensor (Llama 3.1 rope scaling as llama.cpp stores it) becomes `ModelConfig.rope_freq_factors`. The tokenizer
+is rebuilt from the file's vocabulary (`jaxllama.text.gguf_vocab`), so the converted checkpoint needs nothing
+but itself.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import gguf
 import numpy as np
 
 from converters.layout import ConversionError, config_error
+from converters.quantize import NATIVE
+from jaxllama.core.blocks import Blocks, from_gguf
 from jaxllama.core.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -144,14 +147,28 @@ class GGUFSource:
         # GGUF lists dimensions fastest-first; row-major numpy order is the reverse.
         return np.asarray(w, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
 
+    def tensor_type(self, name: str) -> gguf.GGMLQuantizationType:
+        return self.tensors[self._key(name)].tensor_type
+
     def read(self, name: str) -> np.ndarray:
+        """The tensor in float32 (dequantized)."""
         w = self._dequantize(self._key(name))
+        self._release()
+        return w
+
+    def read_blocks(self, name: str) -> Blocks:
+        """A tensor stored in a block type jaxllama keeps (`quantize.NATIVE`), as those blocks: copied, not decoded."""
+        t = self.tensors[self._key(name)]
+        w = from_gguf(t.data, NATIVE[t.tensor_type], tuple(int(d) for d in reversed(t.shape)))
+        self._release()
+        return w
+
+    def _release(self) -> None:
         # The reader maps the whole file; drop the pages read so far from this process, or a converted
         # model would end with the whole GGUF resident.
         mapped = getattr(self.reader.data, "_mmap", None)
         if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
             mapped.madvise(mmap.MADV_DONTNEED)
-        return w
 
     def extra_files(self) -> dict[str, str]:
         from jaxllama.text.gguf_vocab import tokenizer_files_from_gguf

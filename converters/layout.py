@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxllama.core.blocks import Blocks
 from jaxllama.core.config import ConfigError, ModelConfig
 from jaxllama.errors import CheckpointError
 
@@ -53,27 +54,42 @@ def check_source(source, config: ModelConfig) -> None:
             )
 
 
-def to_params(name: str, w: np.ndarray, config: ModelConfig) -> tuple[str, np.ndarray]:
-    """A canonical tensor in Meta's (out, in) layout -> (jaxllama parameter name, array)."""
-    c = config
-    if name == "embedding":
-        return "embedding", w
+def param_name(name: str) -> str:
+    """The jaxllama parameter a canonical tensor becomes."""
+    if name in ("embedding", "output"):
+        return name
     if name == "norm":
-        return "norm/scale", w
-    if name == "output":
-        return "output", w
+        return "norm/scale"
     layer, _, kind = name.partition("/")
-    if kind == "wq":
-        return f"{layer}/attention/wq", w.reshape(c.n_heads, c.head_dim, c.dim)
-    if kind in ("wk", "wv"):
-        return f"{layer}/attention/{kind}", w.reshape(c.n_kv_heads, c.head_dim, c.dim)
-    if kind == "wo":
-        return f"{layer}/attention/wo", w.reshape(c.dim, c.n_heads, c.head_dim)
+    if kind in ("wq", "wk", "wv", "wo"):
+        return f"{layer}/attention/{kind}"
     if kind in ("w1", "w2", "w3"):
-        return f"{layer}/mlp/{kind}", w
+        return f"{layer}/mlp/{kind}"
     if kind in ("attention_norm", "mlp_norm"):
-        return f"{layer}/{kind}/scale", w
+        return f"{layer}/{kind}/scale"
     raise ValueError(f"unknown canonical tensor {name!r}")
+
+
+def to_params(name: str, w: np.ndarray | Blocks, config: ModelConfig) -> tuple[str, np.ndarray | Blocks]:
+    """A canonical tensor in Meta's (out, in) layout (an array, or Blocks of one input dim) -> (jaxllama parameter
+    name, the array or Blocks on its shape)."""
+    c = config
+    key = param_name(name)
+    kind = name.partition("/")[2]
+    if kind == "wq":
+        return key, _reshape(w, (c.n_heads, c.head_dim, c.dim), 1)
+    if kind in ("wk", "wv"):
+        return key, _reshape(w, (c.n_kv_heads, c.head_dim, c.dim), 1)
+    if kind == "wo":
+        return key, _reshape(w, (c.dim, c.n_heads, c.head_dim), 2)
+    return key, w
+
+
+def _reshape(w: np.ndarray | Blocks, shape: tuple[int, ...], in_dims: int):
+    if not isinstance(w, Blocks):
+        return w.reshape(shape)
+    out = shape[: len(shape) - in_dims]
+    return Blocks(w.quants.reshape(*out, -1), w.scales.reshape(*out, -1), w.format, shape[len(shape) - in_dims :])
 
 
 def expected_shape(name: str, config: ModelConfig) -> tuple[int, ...]:

@@ -1,6 +1,13 @@
 """Convert a Llama checkpoint (Meta download, Hugging Face folder, or GGUF file) into a jaxllama checkpoint.
 
-    python -m converters.llama SRC OUT [--dtype bfloat16|float32] [--format meta|hf|gguf] [--overwrite]
+    python -m converters.llama SRC OUT [--dtype bfloat16|float16|float32] [--quantize q8_0|q4_0]
+                               [--format meta|hf|gguf] [--overwrite]
+
+Weights keep the precision they are stored in (`storage`): a Hugging Face or Meta checkpoint its dtype; a GGUF file
+its Q8_0 and Q4_0 tensors as those blocks, other block types requantized once to Q8_0 (`quantize.NEAREST`), F16 and
+BF16 tensors as bfloat16, F32 ones as float32. `--dtype` stores every weight in that dtype instead (blocks
+dequantized); `--quantize` quantizes every product's weight and the embedding into Q8_0 or Q4_0 blocks, from any
+source. Norms stay float32 (or `--dtype`).
 
 The conversion streams: one layer is read, reshaped and written at a time, so peak memory stays near a
 couple of layers plus the embedding whatever the model's size. OUT appears only when complete.
@@ -18,10 +25,14 @@ from tqdm import tqdm
 
 from converters.gguf_file import GGUFSource, is_gguf
 from converters.hf import HFSource, is_hf
-from converters.layout import ConversionError, canonical_names, check_source, to_params
+from converters.layout import ConversionError, canonical_names, check_source, param_name, to_params
 from converters.meta import MetaSource, is_meta
+from converters.quantize import NATIVE, gguf_form, quantize
+from jaxllama.core.blocks import BLOCK
 from jaxllama.core.checkpoint import CheckpointWriter
+from jaxllama.core.config import BLOCK_FORMATS, ModelConfig
 from jaxllama.core.config import STORAGE_DTYPES as DTYPES
+from jaxllama.core.params import block_in_dims, param_layout
 from jaxllama.errors import CheckpointError
 
 SOURCES = {"meta": (MetaSource, is_meta), "hf": (HFSource, is_hf), "gguf": (GGUFSource, is_gguf)}
@@ -52,21 +63,24 @@ def convert(
     format: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    quantize: str | None = None,
 ) -> Path:
     """Convert SRC into a checkpoint folder OUT; returns OUT. Raises ConversionError (a CheckpointError) on bad
     input, FileExistsError when OUT exists."""
     source = open_source(src, format)
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    config = dataclasses.replace(source.config, dtype=dtype or _storage_dtype(source.config.dtype))
-    check_source(source, config)
+    if quantize is not None and quantize not in BLOCK_FORMATS:
+        raise ConversionError(f"--quantize {quantize!r}: expected one of {', '.join(BLOCK_FORMATS)}")
+    check_source(source, source.config)
+    config = storage(source, dtype, quantize)
     groups = canonical_names(config)
     bar = tqdm(total=sum(map(len, groups)), unit="tensor", desc=f"converting {Path(src).name}", disable=not progress)
     with bar, CheckpointWriter(out, config, overwrite=overwrite) as writer:
         for group in groups:
             tensors = {}
             for name in group:
-                key, value = to_params(name, source.read(name), config)  # shapes checked by check_source
+                key, value = to_params(name, _read(source, name, config.form(param_name(name))), config)
                 tensors[key] = value
                 bar.update()
             writer.write(tensors)
@@ -80,22 +94,63 @@ def convert(
     return Path(out)
 
 
+def storage(source, dtype: str | None = None, quantize: str | None = None) -> ModelConfig:
+    """The source's config with the form each weight will be stored in (`ModelConfig.dtype` and `stored_as`), by
+    the rules of this module's docstring."""
+    config = source.config
+    names = [param_name(n) for group in canonical_names(config) for n in group]
+    if quantize is not None:
+        dense = dtype or "float32"
+        forms = {n: quantize for n in names if block_in_dims(n) is not None}
+        layout = param_layout(config)
+        for n in forms:
+            shape = layout[n][0]
+            if shape[-1] % BLOCK:
+                raise ConversionError(f"--quantize {quantize}: {n} has {shape[-1]} inputs, not a multiple of {BLOCK}")
+    elif source.format == "gguf" and dtype is None:
+        dense = "float32"
+        canonical = {param_name(n): n for group in canonical_names(config) for n in group}
+        forms = {n: gguf_form(source.tensor_type(canonical[n]), block_in_dims(n) is not None) for n in names}
+    else:
+        dense, forms = dtype or _storage_dtype(config.dtype), {}
+    return dataclasses.replace(config, dtype=dense, stored_as={n: f for n, f in forms.items() if f != dense})
+
+
 def _storage_dtype(source_dtype: str) -> str:
     return source_dtype if source_dtype in DTYPES else "float32"
 
 
-def main(src: str, out: str, dtype: str | None = None, format: str | None = None, overwrite: bool = False):
+def _read(source, name: str, form: str):
+    """A canonical tensor, in Meta's layout, as it will be stored: an array, or Blocks of `form` (the source's own
+    blocks where it holds them in that form, else quantized here)."""
+    if form not in BLOCK_FORMATS:
+        return source.read(name)
+    if source.format == "gguf" and NATIVE.get(source.tensor_type(name)) == form:
+        return source.read_blocks(name)
+    return quantize(source.read(name), form)
+
+
+def main(
+    src: str,
+    out: str,
+    dtype: str | None = None,
+    quantize: str | None = None,
+    format: str | None = None,
+    overwrite: bool = False,
+):
     """Convert a Llama checkpoint into a jaxllama checkpoint.
 
     Args:
       src: a Meta download folder, a Hugging Face folder, or a .gguf file.
       out: the output folder (created; must not exist unless --overwrite).
-      dtype: storage dtype: bfloat16, float16 or float32 (default: the source's; float32 for GGUF).
+      dtype: store every weight in bfloat16, float16 or float32 (GGUF blocks dequantized; default: as the source
+        stores them, see the module's docstring).
+      quantize: q8_0 or q4_0: store every product's weight and the embedding as llama.cpp's blocks of that type.
       format: meta, hf or gguf (default: detected).
       overwrite: replace OUT if it exists.
     """
     try:
-        convert(src, out, dtype=dtype, format=format, overwrite=overwrite)
+        convert(src, out, dtype=dtype, format=format, overwrite=overwrite, quantize=quantize)
     except (CheckpointError, OSError) as e:  # bad input, or OUT not writable: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -19,9 +19,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllama import backends
-from jaxllama.core.checkpoint import load_checkpoint, load_config, runtime_dtype
-from jaxllama.core.config import ModelConfig
+from jaxllama.core.checkpoint import load_checkpoint, load_config
+from jaxllama.core.config import STORAGE_DTYPES, ModelConfig
 from jaxllama.core.model import forward, sequence_logits
+from jaxllama.core.params import compute_dtype, stored_bytes
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import DEFAULT_SLOTS, Engine, check_options
 from jaxllama.engine.memory import check_fits
@@ -97,7 +98,9 @@ class LLM:
         compilation_cache: bool = True,
     ) -> LLM:
         """Load a converted checkpoint (None: the default model) onto a mesh ('data=2,model=4'; default:
-        chosen from the devices). `chat_template`: a built-in name or a .jinja file instead of the
+        chosen from the devices). `dtype`: None (default) runs the weights as the checkpoint stores them (bfloat16 as
+        bfloat16, Q8_0/Q4_0 blocks as blocks); 'float32', 'bfloat16' or 'float16' converts every weight to it once,
+        while loading (blocks dequantized). `chat_template`: a built-in name or a .jinja file instead of the
         checkpoint's. `eos_ids` replaces the end-of-generation set; `extra_eos_ids` extends it. `quantize`:
         generate with int8 weights in blocks of 32 (llama.cpp's Q8_0), on one CPU device: 'q8_0' multiplies them by
         the inputs in int16, 'w8a8' by the inputs in int8 (as llama.cpp does; fastest on CPUs with AVX-512 VNNI);
@@ -109,14 +112,17 @@ class LLM:
         if compilation_cache:
             enable_compilation_cache()
         path = resolve_model(path)
-        config = load_config(path)  # checked against the arrays stored, before its sizes are trusted
-        mesh = make_mesh(config, mesh, param_bytes=config.n_params * 4)
-        dtype = jnp.dtype(dtype or runtime_dtype(mesh.devices.flat[0].platform))
-        ops = backends.choose(mesh, dtype, kernel_dir(), quantize=quantize)
-        check_fits(config, ops, dtype, mesh, stored_dtype=config.dtype)
+        if dtype is not None and jnp.dtype(dtype).name not in STORAGE_DTYPES:
+            raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(STORAGE_DTYPES)}")
+        stored = load_config(path)  # checked against the arrays stored, before its sizes are trusted
+        config = stored.with_dtype(jnp.dtype(dtype).name) if dtype is not None else stored  # as restored
+        mesh = make_mesh(config, mesh, param_bytes=stored_bytes(config))
+        compute = compute_dtype(config)
+        ops = backends.choose(mesh, compute, kernel_dir(), quantize=quantize)
+        check_fits(config, ops, compute, mesh, stored=stored)
         # Each part of the model is prepared for the backend as it is restored: one copy of the weights at a time.
         config, params = load_checkpoint(
-            path, mesh=mesh, dtype=dtype, prepare=lambda part: ops.prepare(part, config), config=config
+            path, mesh=mesh, dtype=dtype, prepare=lambda part: ops.prepare(part, config), config=stored
         )
         tokenizer = load_tokenizer(path)
         template = ChatTemplate.from_checkpoint(path, chat_template, special_tokens=tokenizer.special_tokens)

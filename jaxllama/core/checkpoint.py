@@ -4,7 +4,8 @@ and restored straight onto any mesh.
 Layout of a checkpoint folder::
 
     config.json                 ModelConfig
-    params/                     Orbax checkpoint of the params pytree (names as in `params.param_layout`)
+    params/                     Orbax checkpoint of the params pytree (names as in `params.param_layout`; a weight
+                                stored as blocks is NAME/quants and NAME/scales, see `params.abstract_stored`)
     format.json                 the checkpoint format's version (FORMAT)
     tokenizer files, generation_config.json, chat template   (carried by the converter, read by `text`)
 
@@ -26,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxllama.core.blocks import Blocks, dequantize
 from jaxllama.core.checkpoint_check import check_stored, restore_errors
-from jaxllama.core.config import CONFIG_FILE, ModelConfig
-from jaxllama.core.params import abstract_params, param_layout
+from jaxllama.core.config import BLOCK_FORMATS, CONFIG_FILE, ModelConfig
+from jaxllama.core.params import abstract_stored, as_blocks, check_forms, param_layout, stored_arrays_of
 
 PARAMS_DIR = "params"
 FORMAT_FILE = "format.json"
@@ -40,12 +42,6 @@ def _orbax():
         warnings.simplefilter("ignore")
         import orbax.checkpoint.experimental.v1 as ocp
     return ocp
-
-
-def runtime_dtype(backend: str | None = None) -> jnp.dtype:
-    """float32 on CPU (XLA:CPU runs bf16 matmuls ~10x slower than f32), bfloat16 on GPU and TPU."""
-    backend = backend or jax.default_backend()
-    return jnp.dtype(jnp.float32 if backend == "cpu" else jnp.bfloat16)
 
 
 def checkpoint_format(path: str | Path) -> int | None:
@@ -90,28 +86,40 @@ def load_checkpoint(
     path: str | Path, mesh: Mesh | None = None, dtype=None, prepare=None, config: ModelConfig | None = None
 ) -> tuple[ModelConfig, dict]:
     """Restore (config, params) from a converted checkpoint, a part at a time: the params outside the layers, then
-    runs of layers (`_parts`).
+    runs of layers (`_parts`). The weights come back as the checkpoint stores them (bfloat16 as bfloat16, blocks as
+    `Blocks`), and the config returned describes them.
 
     mesh: restore each array with its sharding on this mesh (from the logical-axis rules); None restores
-    onto the default device. dtype: the runtime dtype (default `runtime_dtype()`); a checkpoint stored
-    in another dtype is cast once, here, a part at a time. prepare: applied to each part as it is restored
-    (a backend's `Ops.prepare`), so that weights a backend replaces (packs, quantizes) are never all held twice.
-    config: the checkpoint's config as `load_config` gave it (checked already), else read and checked here.
+    onto the default device. dtype: every weight in this dtype instead (blocks dequantized, others cast), once,
+    here, a part at a time; the config returned then says so (`ModelConfig.with_dtype`). prepare: applied to each
+    part as it is restored (a backend's `Ops.prepare`), so that weights a backend replaces (packs, quantizes) are
+    never all held twice. config: the checkpoint's config as `load_config` gave it (checked already), else read
+    and checked here.
     """
     path = Path(path)
     config = config or load_config(path)
-    dtype = jnp.dtype(dtype or runtime_dtype())
-    stored = abstract_params(config, config.dtype, mesh)
+    stored = abstract_stored(config, mesh)
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         stored = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), stored)
+    convert = dtype is not None and config != config.with_dtype(jnp.dtype(dtype).name)
     params: dict = {}
     for names in _parts(stored, config):
-        part = _restore_part(path, stored, names)
-        if jnp.dtype(config.dtype) != dtype:
-            part = jax.tree.map(lambda x: x.astype(dtype), part)
+        part = as_blocks(_restore_part(path, stored, names), config)
+        if convert:
+            part = jax.tree.map(lambda w: _as_dtype(w, dtype), part, is_leaf=lambda w: isinstance(w, Blocks))
         params |= prepare(part) if prepare is not None else part
-    return config, params
+    return (config.with_dtype(jnp.dtype(dtype).name) if dtype is not None else config), params
+
+
+@jax.jit
+def _dequantized(w: Blocks) -> jax.Array:
+    return dequantize(w, jnp.float32)
+
+
+def _as_dtype(w, dtype) -> jax.Array:
+    # Blocks are widened through float32, exactly as gguf's dequantizer does.
+    return (_dequantized(w) if isinstance(w, Blocks) else w).astype(dtype)
 
 
 # Layers restored per call, up to this many bytes: each call costs a fixed ~0.1 s, and a part is held twice at most.
@@ -187,30 +195,37 @@ class CheckpointWriter:
         if self.out_dir.exists() and any(self.out_dir.iterdir()) and not overwrite:
             raise FileExistsError(f"{self.out_dir}: already exists and is not empty (pass --overwrite to replace)")
         self.config = config
+        check_forms(config)
         self.layout = param_layout(config)
-        self.dtype = np.dtype(jnp.dtype(config.dtype))
+        self.arrays = stored_arrays_of(config)
         remove_stale_tmp(self.out_dir)
         self.tmp = self.out_dir.with_name(f"{_tmp_prefix(self.out_dir)}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.tmp.mkdir(parents=True)
         self.written: set[str] = set()
         self.committed = False
 
-    def write(self, tensors: dict[str, np.ndarray]) -> None:
-        """Write some parameters ({flat name: array}); each is checked against the layout and cast."""
+    def write(self, tensors: dict[str, np.ndarray | Blocks]) -> None:
+        """Write some parameters ({flat name: array, or Blocks for those the config stores as blocks}); each is
+        checked against the layout and cast to the dtype the config stores it in."""
         tree: dict = {}
         for name, array in tensors.items():
             if name not in self.layout:
                 raise ValueError(f"unexpected parameter {name!r}")
             if name in self.written:
                 raise ValueError(f"parameter {name!r} written twice")
-            shape = self.layout[name][0]
+            shape, form = self.layout[name][0], self.config.form(name)
             if tuple(array.shape) != shape:
                 raise ValueError(f"parameter {name}: shape {tuple(array.shape)}, expected {shape}")
+            if isinstance(array, Blocks) != (form in BLOCK_FORMATS) or getattr(array, "format", form) != form:
+                raise ValueError(f"parameter {name}: {getattr(array, 'format', 'an array')}, stored as {form}")
             node = tree
             *parents, leaf = name.split("/")
             for p in parents:
                 node = node.setdefault(p, {})
-            node[leaf] = np.asarray(array).astype(self.dtype, copy=False)
+            if isinstance(array, Blocks):
+                node[leaf] = {"quants": np.asarray(array.quants), "scales": np.asarray(array.scales)}
+            else:
+                node[leaf] = np.asarray(array).astype(jnp.dtype(self.arrays[name][1]), copy=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             _orbax().partial.save(self.tmp / PARAMS_DIR, tree)

@@ -15,8 +15,9 @@ import logging
 import warnings
 from pathlib import Path
 
+from jaxllama.core.blocks import BLOCK
 from jaxllama.core.config import ModelConfig
-from jaxllama.core.params import param_layout
+from jaxllama.core.params import check_forms, stored_arrays_of
 from jaxllama.errors import CheckpointError
 
 
@@ -59,13 +60,20 @@ def check_stored(config: ModelConfig, config_file: Path, params_dir: Path) -> No
     if layers != config.n_layers:
         raise CheckpointError(f"{config_file}: n_layers is {config.n_layers}, but {params_dir} holds {layers} layers")
     embedding = stored.get("embedding", (None,))[0]
+    if "embedding/scales" in stored:  # blocks: the inputs are counted by their scales
+        rows, blocks = stored["embedding/scales"][0]
+        embedding = (rows, blocks * BLOCK)
     if embedding != (config.vocab_size, config.dim):
         raise CheckpointError(
             f"{config_file}: vocab_size is {config.vocab_size} and dim {config.dim}, but {params_dir} holds "
             + (f"an embedding of shape {embedding}" if embedding else "no embedding")
         )
-    layout = param_layout(config)
-    for name, (shape, _) in layout.items():
+    try:
+        check_forms(config)
+    except ValueError as e:
+        raise CheckpointError(f"{config_file}: {e}") from None
+    layout = stored_arrays_of(config)
+    for name, (shape, expected) in layout.items():
         if name not in stored:
             raise CheckpointError(f"{params_dir}: {name} is missing (the model of {config_file} has it)")
         found, dtype = stored[name]
@@ -74,8 +82,14 @@ def check_stored(config: ModelConfig, config_file: Path, params_dir: Path) -> No
                 f"{config_file} does not match {params_dir}: {name} is stored with shape {found}, "
                 f"the config gives {shape}"
             )
-        if dtype != config.dtype:
-            raise CheckpointError(f"{config_file}: dtype is {config.dtype}, but {params_dir} stores {name} as {dtype}")
+        if dtype != expected:
+            weight = name.removesuffix("/quants").removesuffix("/scales")
+            said = (
+                f"dtype is {config.dtype}"
+                if weight not in dict(config.stored_as)
+                else f"stored_as gives {weight} as {config.form(weight)}"
+            )
+            raise CheckpointError(f"{config_file}: {said}, but {params_dir} stores {name} as {dtype}")
     extra = sorted(set(stored) - set(layout))
     if extra:
         raise CheckpointError(

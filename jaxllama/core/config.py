@@ -16,6 +16,7 @@ from jaxllama.errors import CheckpointError
 
 CONFIG_FILE = "config.json"
 STORAGE_DTYPES = ("bfloat16", "float32", "float16")  # what a converted checkpoint stores its weights in
+BLOCK_FORMATS = ("q8_0", "q4_0")  # weights stored as llama.cpp's blocks (`core/blocks.py`)
 MAX_POSITIONS = 2**31 - 1
 _SIZES = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
 
@@ -76,8 +77,12 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     max_seq_len: int = 4096
     tie_embeddings: bool = False
-    # The dtype the weights are stored in; the runtime dtype is chosen at load time.
+    # The dtype the weights are stored in, except those named in `stored_as`.
     dtype: str = "bfloat16"
+    # The weights stored otherwise, by flat parameter name ("layers_0/attention/wq"): a block format of
+    # BLOCK_FORMATS or another of STORAGE_DTYPES. config.json holds it as an object; here it is sorted pairs, so that
+    # a config stays hashable (it is a static argument of jitted functions).
+    stored_as: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         # Types and ranges first: a config read from a file may hold anything, and the checks below divide.
@@ -113,6 +118,17 @@ class ModelConfig:
             raise ConfigError("tie_embeddings", f"expected true or false, got {self.tie_embeddings!r}")
         if not isinstance(self.dtype, str):
             raise ConfigError("dtype", f"expected a dtype name, got {self.dtype!r}")
+        stored = self.stored_as.items() if isinstance(self.stored_as, dict) else self.stored_as
+        try:
+            stored = tuple(sorted((str(name), form) for name, form in stored))
+        except (TypeError, ValueError):
+            raise ConfigError("stored_as", f"expected an object of parameter names, got {self.stored_as!r}") from None
+        for name, form in stored:
+            if form not in STORAGE_DTYPES + BLOCK_FORMATS:
+                raise ConfigError(
+                    "stored_as", f"{name}: {form!r} is not one of {', '.join(STORAGE_DTYPES + BLOCK_FORMATS)}"
+                )
+        self._set("stored_as", stored)
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
@@ -135,8 +151,18 @@ class ModelConfig:
         attention = 2 * 2 * self.n_layers * self.n_heads * self.head_dim * context
         return 2.0 * matmul + attention
 
+    def form(self, name: str) -> str:
+        """How the parameter of flat name `name` is stored: a dtype name or a block format."""
+        return dict(self.stored_as).get(name, self.dtype)
+
+    def with_dtype(self, dtype: str) -> ModelConfig:
+        """This model with every weight in `dtype` (what loading with a dtype restores)."""
+        return dataclasses.replace(self, dtype=dtype, stored_as=())
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["stored_as"] = dict(self.stored_as)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllama.core.blocks import Blocks, dequantize
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import XLA, Ops
 
@@ -143,9 +144,19 @@ def block(p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None, op
     return x, cache_k, cache_v
 
 
+def activation_dtype(embedding) -> jnp.dtype:
+    """The dtype a model computes in: its embedding's, float32 for an embedding stored as blocks."""
+    return jnp.dtype(jnp.float32) if isinstance(embedding, Blocks) else jnp.dtype(embedding.dtype)
+
+
 def embed(params, tokens):
-    """The input vectors [b, t, dim] of tokens [b, t]."""
-    return jnp.take(params["embedding"], tokens, axis=0)
+    """The input vectors [b, t, dim] of tokens [b, t]. An embedding stored as blocks dequantizes only the rows it
+    gathers (as llama.cpp does)."""
+    w = params["embedding"]
+    if isinstance(w, Blocks):
+        rows = Blocks(jnp.take(w.quants, tokens, axis=0), jnp.take(w.scales, tokens, axis=0), w.format, w.in_shape)
+        return dequantize(rows, activation_dtype(w))
+    return jnp.take(w, tokens, axis=0)
 
 
 def layers(layer_params: list, c: ModelConfig, x, positions, cache: KVCache, rows=None, rope=None, ops: Ops = XLA):
@@ -277,5 +288,5 @@ def sequence_logits(params, config: ModelConfig, tokens: jax.Array, ops: Ops = X
     """Logits [b, t, vocab] (float32) of whole sequences tokens [b, t], each starting at position 0."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    cache = empty_cache(config, b, t, params["embedding"].dtype)
+    cache = empty_cache(config, b, t, activation_dtype(params["embedding"]))
     return forward(params, config, tokens, positions, cache, ops=ops)[0]

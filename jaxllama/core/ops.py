@@ -7,7 +7,9 @@ the value as an argument (`model.layers(..., ops=...)`) and never asks which one
 compares by type and fields, so it can be a static argument of a jitted function.
 
 Weights are stored (out, in), as every source format stores them, and applied as `x @ W.T`: one 2-D product per
-weight, which XLA:CPU runs without transposing the weight on every call.
+weight, which XLA:CPU runs without transposing the weight on every call. XLA's products read a weight as it was
+restored: in its own dtype (widened to the input's inside the product), or as `Blocks`, dequantized inside the
+product, where XLA fuses the dequantization into the product's loops: no wider copy of the weight is ever stored.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxllama.core.blocks import Blocks, dequantize
 
 # XLA:CPU's option that turns its YNNPACK matrix-product kernels off (see `Ops.compiler_options`).
 NO_YNNPACK = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -33,14 +37,19 @@ class Ops:
         return params
 
     def weight_bytes(self, config, dtype) -> int:
-        """The bytes of a model's weights once prepared, held as `dtype` before preparing."""
-        return config.n_params * jnp.dtype(dtype).itemsize
+        """The bytes of a model's weights once prepared, restored as `config` describes them (`dtype`: the
+        activations' dtype). XLA reads them as restored."""
+        from jaxllama.core.params import stored_bytes  # params imports the model, which imports this module
+
+        return stored_bytes(config)
 
     def linear(self, x: jax.Array, w, in_dims: int = 1) -> jax.Array:
-        """x [..., *in] times w [*out, *in] (`in_dims` trailing dims) -> [..., *out], as one 2-D product."""
+        """x [..., *in] times w [*out, *in] (`in_dims` trailing dims; an array or `Blocks`) -> [..., *out], as one
+        2-D product in x's dtype."""
         lead = x.shape[: x.ndim - in_dims]
-        n_in = int(np.prod(w.shape[w.ndim - in_dims :]))
-        out = w.shape[: w.ndim - in_dims]
+        n_in = int(np.prod(w.shape[len(w.shape) - in_dims :]))
+        out = w.shape[: len(w.shape) - in_dims]
+        w = dequantize(w, x.dtype) if isinstance(w, Blocks) else w.astype(x.dtype)
         y = jax.lax.dot_general(w.reshape(-1, n_in), x.reshape(-1, n_in), (((1,), (1,)), ((), ()))).T
         return y.reshape(*lead, *out)
 

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from jaxllama import backends
 from jaxllama.core.config import ModelConfig
+from jaxllama.core.model import activation_dtype
 from jaxllama.core.ops import Ops
 from jaxllama.engine import buckets, kvcache
 from jaxllama.engine.device import Device
@@ -70,7 +71,7 @@ class Engine(Scheduler):
         self.config, self.mesh = config, mesh
         stats = EngineStats()
         start = time.perf_counter()  # building the CPU kernels (once per machine) counts as compilation
-        dtype = params["embedding"].dtype  # the weights' (a backend keeps the embedding as it is, for lookups)
+        dtype = activation_dtype(params["embedding"])  # the model's (a backend keeps the embedding for lookups)
         self.ops = ops or backends.choose(mesh, dtype, kernel_dir(), cpu_kernels=cpu_kernels, quantize=quantize)
         stats.compile_s += time.perf_counter() - start
         data = mesh.shape["data"]
