@@ -28,11 +28,10 @@ from converters.hf import HFSource, is_hf
 from converters.layout import ConversionError, canonical_names, check_source, param_name, to_params
 from converters.meta import MetaSource, is_meta
 from converters.quantize import NATIVE, gguf_form, quantize
-from jaxllama.core.blocks import BLOCK
 from jaxllama.core.checkpoint import CheckpointWriter
 from jaxllama.core.config import BLOCK_FORMATS, ModelConfig
 from jaxllama.core.config import STORAGE_DTYPES as DTYPES
-from jaxllama.core.params import block_in_dims, param_layout
+from jaxllama.core.params import block_in_dims, check_forms
 from jaxllama.errors import CheckpointError
 
 SOURCES = {"meta": (MetaSource, is_meta), "hf": (HFSource, is_hf), "gguf": (GGUFSource, is_gguf)}
@@ -102,18 +101,18 @@ def storage(source, dtype: str | None = None, quantize: str | None = None) -> Mo
     if quantize is not None:
         dense = dtype or "float32"
         forms = {n: quantize for n in names if block_in_dims(n) is not None}
-        layout = param_layout(config)
-        for n in forms:
-            shape = layout[n][0]
-            if shape[-1] % BLOCK:
-                raise ConversionError(f"--quantize {quantize}: {n} has {shape[-1]} inputs, not a multiple of {BLOCK}")
     elif source.format == "gguf" and dtype is None:
         dense = "float32"
         canonical = {param_name(n): n for group in canonical_names(config) for n in group}
         forms = {n: gguf_form(source.tensor_type(canonical[n]), block_in_dims(n) is not None) for n in names}
     else:
         dense, forms = dtype or _storage_dtype(config.dtype), {}
-    return dataclasses.replace(config, dtype=dense, stored_as={n: f for n, f in forms.items() if f != dense})
+    config = dataclasses.replace(config, dtype=dense, stored_as={n: f for n, f in forms.items() if f != dense})
+    try:
+        check_forms(config)
+    except ValueError as e:
+        raise ConversionError(f"{source.path}: cannot store it so: {e}") from None
+    return config
 
 
 def _storage_dtype(source_dtype: str) -> str:

@@ -98,8 +98,9 @@ def check_forms(config: ModelConfig) -> None:
             if in_dims is None:
                 raise ValueError(f"stored_as: {name} cannot be stored as blocks")
             shape = layout[name][0]
-            if int(np.prod(shape[len(shape) - in_dims :])) % BLOCK:
-                raise ValueError(f"stored_as: {name} has {shape[-1]} inputs, not a multiple of {BLOCK}")
+            n_in = int(np.prod(shape[len(shape) - in_dims :]))
+            if n_in % BLOCK:
+                raise ValueError(f"stored_as: {name} has {n_in} inputs, not a multiple of {BLOCK}")
 
 
 def stored_arrays_of(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -70,7 +70,7 @@ def test_gguf_matches_transformers(name, tmp_path):
         pytest.skip("GGUF carries Llama 3.1 scaling as a rope_freqs tensor: see test_gguf_rope_freqs")
     state = hf_state(write_hf(tiny, tmp_path / "hf"))
     write_gguf(tiny, state, tmp_path / "m.gguf", GGUF_TYPES)
-    convert(tmp_path / "m.gguf", tmp_path / "ckpt", progress=False)
+    convert(tmp_path / "m.gguf", tmp_path / "ckpt", dtype="float32", progress=False)  # every type dequantized
     oracle = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
     np.testing.assert_allclose(ours(tmp_path / "ckpt"), hf_logits(oracle), atol=1e-4)
 
@@ -125,7 +125,7 @@ def test_gguf_k_quants(tmp_path):
         return raw.reshape(rows, -1), kind
 
     copy_gguf(tmp_path / "f.gguf", tmp_path / "k.gguf", replace=k_quant)
-    convert(tmp_path / "k.gguf", tmp_path / "ckpt", progress=False)
+    convert(tmp_path / "k.gguf", tmp_path / "ckpt", dtype="float32", progress=False)  # dequantized, exactly
     oracle = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="k.gguf", dtype=torch.float32).eval()
     np.testing.assert_allclose(ours(tmp_path / "ckpt"), hf_logits(oracle), atol=1e-4)
 
