@@ -48,6 +48,14 @@ def smollm2_checkpoint(smollm2_path, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_float32_checkpoint(smollm2_path, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct with every weight dequantized to float32 (the GGUF's own weights, exactly)."""
+    from converters.llama import convert
+
+    return convert(smollm2_path, tmp_path_factory.mktemp("smollm2-f32") / "ckpt", dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_chat_checkpoint(tmp_path_factory) -> Path:
     """A tiny random ChatML model (see tests/factories.py: write_chat_gguf), converted once per test session."""
     from converters.llama import convert

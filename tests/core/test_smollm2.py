@@ -25,20 +25,13 @@ def transformers_model(smollm2_path):
     ).eval()
 
 
-@pytest.fixture(scope="module")
-def float32_checkpoint(smollm2_path, tmp_path_factory):
-    from converters.llama import convert
-
-    return convert(smollm2_path, tmp_path_factory.mktemp("smollm2-f32") / "ckpt", dtype="float32", progress=False)
-
-
 def _log_softmax(x):
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def test_logits_match_transformers(float32_checkpoint, transformers_model):
-    config, params = load_checkpoint(float32_checkpoint)
+def test_logits_match_transformers(smollm2_float32_checkpoint, transformers_model):
+    config, params = load_checkpoint(smollm2_float32_checkpoint)
     assert (config.n_layers, config.dim, config.n_heads, config.n_kv_heads, config.tie_embeddings) == (
         30,
         576,

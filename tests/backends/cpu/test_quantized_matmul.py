@@ -160,10 +160,10 @@ def test_engine_on_quantized_weights_matches_the_forward_pass_on_them():
     assert unquantized != expected  # the quantized weights change some tokens: the engine did use them
 
 
-def test_smollm2_on_quantized_weights_matches_float32_on_gguf_q8_0_weights(smollm2_checkpoint):
+def test_smollm2_on_quantized_weights_matches_float32_on_gguf_q8_0_weights(smollm2_float32_checkpoint):
     """The real model: greedy tokens of a quantize='q8_0' engine equal a float32 engine's over the same weights
     quantized by gguf (the output projection quantized, the embedding lookup not, as the kernels run it)."""
-    config, params = load_checkpoint(smollm2_checkpoint)
+    config, params = load_checkpoint(smollm2_float32_checkpoint)
     reference = with_q8_0_weights(params)
     reference["output"] = jnp.asarray(q8_0(np.asarray(params["embedding"])))  # tied: the lookup stays float32
     mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])

@@ -130,11 +130,11 @@ def test_prepare_quantizes_every_product():
     assert all(p.panels.dtype == jnp.uint8 and p.scales is not None for p in products)
 
 
-def test_smollm2_on_w8a8_picks_what_float32_on_the_same_weights_ranks_first_or_nearly(smollm2_checkpoint):
+def test_smollm2_on_w8a8_picks_what_float32_on_the_same_weights_ranks_first_or_nearly(smollm2_float32_checkpoint):
     """The real model: every greedy token of a w8a8 engine, scored by the float32 forward pass (XLA) over the same
     weights (gguf's Q8_0) on the w8a8 engine's own text, is that pass's first choice or within 0.5 of its logit:
     quantizing the inputs (as llama.cpp does) moves the logits a little, enough to flip near ties only."""
-    config, params = load_checkpoint(smollm2_checkpoint)
+    config, params = load_checkpoint(smollm2_float32_checkpoint)
     reference = with_q8_0_weights(params)
     reference["output"] = jnp.asarray(q8_0(np.asarray(params["embedding"])))
     mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
