@@ -22,7 +22,7 @@ from jaxllama import backends
 from jaxllama.core.checkpoint import load_checkpoint, load_config
 from jaxllama.core.config import STORAGE_DTYPES, ModelConfig
 from jaxllama.core.model import forward, sequence_logits
-from jaxllama.core.params import compute_dtype, stored_bytes
+from jaxllama.core.params import product_form, stored_bytes
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import DEFAULT_SLOTS, Engine, check_options
 from jaxllama.engine.memory import check_fits
@@ -117,9 +117,9 @@ class LLM:
         stored = load_config(path)  # checked against the arrays stored, before its sizes are trusted
         config = stored.with_dtype(jnp.dtype(dtype).name) if dtype is not None else stored  # as restored
         mesh = make_mesh(config, mesh, param_bytes=stored_bytes(config))
-        compute = compute_dtype(config)
-        ops = backends.choose(mesh, compute, kernel_dir(), quantize=quantize)
-        check_fits(config, ops, compute, mesh, stored=stored)
+        form = product_form(config)
+        ops = backends.choose(mesh, form, kernel_dir(), quantize=quantize)
+        check_fits(config, ops, form, mesh, stored=stored)
         # Each part of the model is prepared for the backend as it is restored: one copy of the weights at a time.
         config, params = load_checkpoint(
             path, mesh=mesh, dtype=dtype, prepare=lambda part: ops.prepare(part, config), config=stored

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from jaxllama.core.blocks import BLOCK, Blocks
 from jaxllama.core.config import BLOCK_FORMATS, ModelConfig
-from jaxllama.core.model import PRODUCT_IN_DIMS, Llama, activation_dtype, empty_cache
+from jaxllama.core.model import PRODUCT_IN_DIMS, Llama, empty_cache
 from jaxllama.core.sharding import logical_to_spec, named_sharding, rules_for
 
 
@@ -175,9 +175,11 @@ def as_blocks(tree: dict, config: ModelConfig) -> dict:
     return walk(tree, "")
 
 
-def compute_dtype(config: ModelConfig) -> jnp.dtype:
-    """The dtype a model restored as `config` describes computes in (`model.activation_dtype`)."""
-    return activation_dtype(as_blocks(abstract_stored(config), config)["embedding"])
+def product_form(config: ModelConfig) -> str:
+    """The form most of the model's product weights are stored in (a dtype name or a block format): what a backend
+    is chosen for."""
+    forms = [config.form(name) for name in param_layout(config) if block_in_dims(name) and name != "embedding"]
+    return max(sorted(set(forms)), key=forms.count)
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, mesh: Mesh | None = None):

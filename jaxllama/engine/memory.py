@@ -19,7 +19,8 @@ OVERHEAD = 1 << 30
 
 
 def check_fits(config: ModelConfig, ops: Ops, dtype, mesh: Mesh, stored: ModelConfig | None = None) -> None:
-    """Raise ModelTooLarge unless the weights `ops` prepares from those `config` describes (computing in `dtype`),
+    """Raise ModelTooLarge unless the weights `ops` prepares from those `config` describes (`dtype`: the form of its
+    products, `params.product_form`),
     plus one layer being restored (as the checkpoint `stored` holds it, and as restored), plus OVERHEAD, fit: on the
     CPU in the host's available memory (a copy per replica along the mesh's `data` axis), on an accelerator in each
     device's memory (the weights split along `model`)."""
