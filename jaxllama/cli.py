@@ -39,6 +39,7 @@ def _common_setup(
     quantize=None,
     kv_cache_dtype=None,
     quiet=False,
+    dtype=None,
 ):
     from jaxllama.core.config import ModelConfig
     from jaxllama.default_model import resolve_model
@@ -59,6 +60,7 @@ def _common_setup(
         decode_steps=decode_steps,
         quantize=quantize,
         kv_cache_dtype=kv_cache_dtype,
+        dtype=dtype,
     )
     _warn_if_cpu_mesh(llm)
     return llm
@@ -128,6 +130,7 @@ def run(
     max_context: int | None = None,
     decode_steps: int | None = None,
     quantize: str | None = None,
+    dtype: str | None = None,
     kv_cache_dtype: str | None = None,
     overwrite: bool = False,
     no_retry_errors: bool = False,
@@ -169,6 +172,8 @@ def run(
       quantize: q8_0, w8a8 or q4_0 to quantize float weights at load (one CPU device): int8 weights (llama.cpp's
         Q8_0) multiplied by inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512
         VNNI), or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored.
+      dtype: float32, bfloat16 or float16 to convert every weight to it while loading (blocks dequantized);
+        default: the weights as the checkpoint stores them.
       kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits; auto (default): the weights' dtype.
       overwrite: start over instead of resuming.
       no_retry_errors: on resume, keep the error records of failed lines instead of running them again.
@@ -191,7 +196,7 @@ def run(
     try:
         flags = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
         defaults = sampling_params(flags, SamplingParams())  # checked as a job line's fields are
-        options = dict(chat_template=chat_template, eos_id=_as_list(eos_id, int), quantize=quantize)
+        options = dict(chat_template=chat_template, eos_id=_as_list(eos_id, int), quantize=quantize, dtype=dtype)
         options.update(kv_cache_dtype=kv_cache_dtype, max_context=max_context)
         settings = job_settings(model, defaults, _stops(stop), system_prompt, **options)
         if not overwrite:  # before the model loads: a resume with other settings is refused at once
@@ -210,6 +215,7 @@ def run(
             quantize,
             kv_cache_dtype,
             quiet=quiet or (process_id or int(os.environ.get("JAX_PROCESS_ID", 0))) != 0,
+            dtype=dtype,
         )
     except LOAD_ERRORS as e:
         _fail(str(e))
@@ -258,6 +264,7 @@ def serve(
     max_context: int | None = None,
     decode_steps: int | None = None,
     quantize: str | None = None,
+    dtype: str | None = None,
     kv_cache_dtype: str | None = None,
     log_level: str = "info",
 ):
@@ -281,6 +288,8 @@ def serve(
       quantize: q8_0, w8a8 or q4_0 to quantize float weights at load (one CPU device): int8 weights (llama.cpp's
         Q8_0) multiplied by inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512
         VNNI), or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored.
+      dtype: float32, bfloat16 or float16 to convert every weight to it while loading (blocks dequantized);
+        default: the weights as the checkpoint stores them.
       kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits; auto (default): the weights' dtype.
       log_level: uvicorn's log level (debug, info, warning, error).
     """
@@ -289,7 +298,7 @@ def serve(
     from jaxllama.server.app import create_app
 
     try:
-        options = {"decode_steps": decode_steps, "quantize": quantize, "kv_cache_dtype": kv_cache_dtype}
+        options = {"decode_steps": decode_steps, "quantize": quantize, "kv_cache_dtype": kv_cache_dtype, "dtype": dtype}
         options["quiet"] = log_level.lower() not in ("debug", "info", "trace")
         llm = _common_setup(model, mesh, chat_template, eos_id, max_batch, max_context, None, None, None, **options)
         app = create_app(llm, model_name=served_model_name, max_queue=max_queue, max_tokens=max_tokens)
@@ -323,8 +332,10 @@ def info(path: str | None = None):
     except LOAD_ERRORS as e:
         _fail(str(e))
     print(f"checkpoint: {folder}")
-    print(f"parameters: {config.n_params / 1e6:.1f} M, stored as {config.dtype}")
-    print(f"config: {json.dumps(config.to_dict())}")
+    forms = sorted({form for _, form in config.stored_as})
+    stored = ", ".join([config.dtype, *(f"{f} ({sum(g == f for _, g in config.stored_as)} weights)" for f in forms)])
+    print(f"parameters: {config.n_params / 1e6:.1f} M, stored as {stored}")
+    print(f"config: {json.dumps({k: v for k, v in config.to_dict().items() if k != 'stored_as'})}")
     print(
         f"tokenizer: {type(tok).__name__}, vocab {tok.vocab_size}, bos {tok.bos_token!r} ({tok.bos_id}), "
         f"eos {tok.eos_token!r} ({tok.eos_id}), adds bos: {tok.add_bos}"
@@ -344,6 +355,7 @@ def chat(
     mesh: str | None = None,
     chat_template: str | None = None,
     quantize: str | None = None,
+    dtype: str | None = None,
     kv_cache_dtype: str | None = None,
 ):
     """Chat with a model in the terminal, the reply streamed as it is generated. Ctrl-D or /exit to quit.
@@ -361,10 +373,12 @@ def chat(
       quantize: q8_0, w8a8 or q4_0 to quantize float weights at load (one CPU device): int8 weights (llama.cpp's
         Q8_0) multiplied by inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512
         VNNI), or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored.
+      dtype: float32, bfloat16 or float16 to convert every weight to it while loading (blocks dequantized);
+        default: the weights as the checkpoint stores them.
       kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits; auto (default): the weights' dtype.
     """
     try:
-        options = {"quantize": quantize, "kv_cache_dtype": kv_cache_dtype}
+        options = {"quantize": quantize, "kv_cache_dtype": kv_cache_dtype, "dtype": dtype}
         llm = _common_setup(model, mesh, chat_template, None, 1, None, None, None, None, **options)
     except LOAD_ERRORS as e:
         _fail(str(e))
@@ -413,6 +427,7 @@ METAVARS = {
     "decode_steps": "N",
     "max_tokens": "N",
     "quantize": "w8a8|q8_0|q4_0",
+    "dtype": "float32|bfloat16",
     "kv_cache_dtype": "float16",
     "stats_file": "stats.json",
     "coordinator": "HOST:PORT",
