@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxllama.backends.cpu import library, matmul
 from jaxllama.backends.cpu.decode_attention import decode_attention
@@ -23,6 +24,7 @@ from jaxllama.backends.cpu.row_stats import row_stats
 from jaxllama.core.blocks import BLOCK, GGUF_BLOCK_BYTES, Blocks
 from jaxllama.core.model import GATE_UP, PRODUCT_IN_DIMS, QKV
 from jaxllama.core.ops import NO_YNNPACK, Ops
+from jaxllama.core.params import param_layout
 
 
 def fused_key(names) -> str:
@@ -58,19 +60,35 @@ class CpuOps(Ops):
         return packed
 
     def weight_bytes(self, config, dtype) -> int:
-        """The bytes of a model stored as `dtype` (a float dtype, or a Blocks format: "q8_0", "q4_0") once prepared:
-        every product's weight packed (`PACKED_BYTES`), the embedding kept as stored for its lookups, the norms as
-        they are."""
-        stored = dtype if dtype in GGUF_BLOCK_BYTES else jnp.dtype(dtype).name
-        packed = stored if stored in PACKED_BYTES else "float32"
-        if self.quantize and stored not in GGUF_BLOCK_BYTES:
-            packed = self.quantize
-        as_stored = GGUF_BLOCK_BYTES[stored] / BLOCK if stored in GGUF_BLOCK_BYTES else jnp.dtype(stored).itemsize
-        embedding = config.vocab_size * config.dim
-        norms = (2 * config.n_layers + 1) * config.dim
-        products = config.n_params - norms - embedding + (embedding if config.tie_embeddings else 0)
-        norm_bytes = 4 if stored in GGUF_BLOCK_BYTES else jnp.dtype(stored).itemsize
-        return int(products * PACKED_BYTES[packed] + embedding * as_stored) + norm_bytes * norms
+        """The bytes of a model's weights once prepared: every product's weight packed (`PACKED_BYTES`; a tied
+        embedding also as the output's), the rest (the embedding, for its lookups, and the norms) as stored. Each
+        weight's stored form is the config's (`config.form(name)`: a dtype or a Blocks format) where the config
+        names one, else `dtype` (or a Blocks format) for every weight."""
+        form_of = getattr(config, "form", None)
+        total = 0.0
+        for name, (shape, _) in param_layout(config).items():
+            n = int(np.prod(shape))
+            stored = form_of(name) if form_of else (dtype if dtype in GGUF_BLOCK_BYTES else jnp.dtype(dtype).name)
+            leaf = name.rsplit("/", 1)[-1]
+            if leaf != "embedding" and leaf not in PRODUCT_IN_DIMS and stored in GGUF_BLOCK_BYTES:
+                stored = "float32"  # a norm of a model whose weights are blocks
+            if leaf in PRODUCT_IN_DIMS:
+                total += n * PACKED_BYTES[self._packed_form(stored)]
+                continue
+            total += n * (
+                GGUF_BLOCK_BYTES[stored] / BLOCK if stored in GGUF_BLOCK_BYTES else jnp.dtype(stored).itemsize
+            )
+            if leaf == "embedding" and config.tie_embeddings:
+                total += n * PACKED_BYTES[self._packed_form(stored)]
+        return int(total)
+
+    def _packed_form(self, stored: str) -> str:
+        """The form `prepare` packs a weight stored as `stored` in (a key of PACKED_BYTES)."""
+        if stored in GGUF_BLOCK_BYTES:
+            return stored
+        if self.quantize:
+            return self.quantize
+        return stored if stored in PACKED_BYTES else "float32"
 
     def linear(self, x, w, in_dims: int = 1):
         if isinstance(w, matmul.Packed):
