@@ -61,14 +61,15 @@ class CpuOps(Ops):
 
     def weight_bytes(self, config, dtype) -> int:
         """The bytes of a model's weights once prepared: every product's weight packed (`PACKED_BYTES`; a tied
-        embedding also as the output's), the rest (the embedding, for its lookups, and the norms) as stored. Each
-        weight's stored form is the config's (`config.form(name)`: a dtype or a Blocks format) where the config
-        names one, else `dtype` (or a Blocks format) for every weight."""
-        form_of = getattr(config, "form", None)
+        embedding also as the output's), the rest (the embedding, for its lookups, and the norms) as stored. A
+        weight is stored as the config's `stored_as` names it (a dtype or a Blocks format), else as `dtype` (a
+        dtype, or a Blocks format: the products' form; the norms then in float32)."""
+        named = dict(getattr(config, "stored_as", ()))
+        default = dtype if dtype in GGUF_BLOCK_BYTES else jnp.dtype(dtype).name
         total = 0.0
         for name, (shape, _) in param_layout(config).items():
             n = int(np.prod(shape))
-            stored = form_of(name) if form_of else (dtype if dtype in GGUF_BLOCK_BYTES else jnp.dtype(dtype).name)
+            stored = named.get(name, default)
             leaf = name.rsplit("/", 1)[-1]
             if leaf != "embedding" and leaf not in PRODUCT_IN_DIMS and stored in GGUF_BLOCK_BYTES:
                 stored = "float32"  # a norm of a model whose weights are blocks

@@ -219,11 +219,11 @@ def test_weight_bytes_count_each_stored_form():
     for quantize, dtype, per_weight, per_embedding, per_norm in cases:
         want = products * per_weight + embedding * per_embedding + norms * per_norm
         assert CpuOps(quantize).weight_bytes(config, dtype) == pytest.approx(want, abs=1), (quantize, dtype)
-    # A config naming each weight's form: q, k and v as Q4_0, the embedding as Q8_0, the rest as config.dtype.
-    if hasattr(ModelConfig, "form"):
+    # A config naming some weights' forms: q, k and v as Q4_0, the embedding as Q8_0; the rest as the dtype given.
+    if hasattr(ModelConfig, "stored_as"):
         names = [f"layers_{i}/attention/{w}" for i in range(config.n_layers) for w in ("wq", "wk", "wv")]
         forms = (*((n, "q4_0") for n in names), ("embedding", "q8_0"))
-        mixed = dataclasses.replace(config, dtype="bfloat16", stored_as=forms)
+        mixed = dataclasses.replace(config, stored_as=forms)
         qkv = config.n_layers * config.dim * (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
         want = qkv * 0.5625 + (products - qkv) * 2 + embedding * 34 / 32 + norms * 2
-        assert CpuOps().weight_bytes(mixed, np.float32) == pytest.approx(want)
+        assert CpuOps().weight_bytes(mixed, jnp.bfloat16) == pytest.approx(want)
