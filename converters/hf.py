@@ -2,7 +2,7 @@
 
 Hugging Face's conversion script permutes the rows of q_proj and k_proj so that rotary embeddings can
 rotate the two halves of each head; `unpermute_rotary` restores Meta's interleaved pairs (with
-n_kv_heads for k). Tensors are read one at a time from memory-mapped files.
+n_kv_heads for k). Tensors are read one at a time, each into memory of its own (`read_tensor`).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
@@ -188,11 +189,8 @@ class HFSource:
             raise ConversionError(f"{self.path}: tensor {key!r} is missing")
         file = self.files[key]
         try:
-            # Opened per tensor: a handle kept open keeps the file's touched pages mapped, so a converter
-            # holding every shard open would end with the whole checkpoint resident.
-            with safe_open(file, "numpy") as f:
-                w = f.get_tensor(key)
-        except Exception as e:
+            w = read_tensor(file, key)
+        except (OSError, ValueError, KeyError) as e:
             raise ConversionError(f"{file}: cannot read {key} ({e})") from None
         kind = name.partition("/")[2]
         if kind == "wq" and w.ndim == 2:
@@ -203,6 +201,23 @@ class HFSource:
 
     def extra_files(self) -> dict[str, Path]:
         return {n: self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()}
+
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+
+
+def read_tensor(file: Path, key: str) -> np.ndarray:
+    """One tensor of a safetensors file, read into memory of its own: the file is read, not mapped (a mapping keeps
+    every page read resident while it lives, so a shard of several GB would end wholly in memory). The header was
+    checked against the file when the source was opened (`HFSource._headers`)."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(size))[key]
+        start, end = entry["data_offsets"]
+        f.seek(8 + size + start)
+        dtype = np.dtype(_DTYPES[entry["dtype"]])
+        data = np.fromfile(f, dtype=np.uint8, count=end - start)
+    return data.view(dtype).reshape(entry["shape"])
 
 
 def _read_json(path: Path):
