@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 
-from jaxllama.engine.request import Request, SamplingParams, Timings
+from jaxllama.engine.request import Request, SamplingParams, Timings, TopLogprobs
 from jaxllama.engine.scheduler import Scheduler
 from jaxllama.text.stops import StopMatcher
 from jaxllama.text.structured import Grammar
@@ -31,6 +31,9 @@ class Result:
     timings: Timings
     logprobs: list[float] | None = None
     cached_tokens: int = 0  # prompt tokens whose keys/values were reused from an earlier request
+    top_logprobs: list[TopLogprobs] | None = None  # per token, with logprobs and params.top_logprobs > 0
+    # With params.prompt_logprobs: per prompt token after the first, (its log-probability, its alternatives).
+    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
 
     @property
     def usage(self) -> dict:
@@ -57,6 +60,8 @@ class Event:
     logprobs: list[float] | None = None
     index: int = 0
     last: bool = False
+    top_logprobs: list[TopLogprobs] | None = None
+    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None  # on a request's first event, as `Result`'s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,15 +86,16 @@ class _Text:
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], include_stop: bool):
         self.decoder = tokenizer.incremental_decoder(skip_special=True)
         self.stops = StopMatcher(list(stops), include_stop).stream() if stops else None
-        self.text, self.tokens, self.logprobs = [], [], []
+        self.text, self.tokens, self.logprobs, self.top = [], [], [], []
 
-    def push(self, tokens: list[int], logprobs: list[float]) -> str:
+    def push(self, tokens: list[int], logprobs: list[float], top: list[TopLogprobs] | None = None) -> str:
         out = []
-        for t, lp in zip(tokens, logprobs, strict=True):
+        for i, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
             if self.stopped:
                 break
             self.tokens.append(t)
             self.logprobs.append(lp)
+            self.top.append(top[i] if top is not None else [])
             piece = self.decoder.push(t)
             out.append(self.stops.push(piece) if self.stops else piece)
         delta = "".join(out)
@@ -113,9 +119,12 @@ class _Pending:
     text: _Text
     prompt_tokens: int
     want_logprobs: bool
+    params: SamplingParams
     finishing: bool = False  # the engine was told to end it
     id: object = None  # the request's id (the engine's is a _Choice for n > 1)
     index: int = 0
+    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
+    started: bool = False  # its first event has gone out
 
 
 class Generation:
@@ -158,7 +167,7 @@ class Generation:
         for i, r in enumerate(requests):
             self.engine.add(r)
             self.pending[r.id] = _Pending(
-                _Text(self.tokenizer, stop, include_stop), len(prompt), logprobs, False, id, i
+                _Text(self.tokenizer, stop, include_stop), len(prompt), logprobs, params, False, id, i
             )
         self._choices[id] = [r.id for r in requests]
 
@@ -196,15 +205,22 @@ class Generation:
             if p is None:
                 continue
             before = len(p.text.tokens)
-            delta = p.text.push(u.tokens, u.logprobs)  # tokens after a stop string are dropped
+            delta = p.text.push(u.tokens, u.logprobs, u.top_logprobs)  # tokens after a stop string are dropped
             new_ids = p.text.tokens[before:]
             new_logprobs = p.text.logprobs[before:] if p.want_logprobs else None
+            new_top = p.text.top[before:] if p.want_logprobs and p.params.top_logprobs and new_ids else None
+            if u.prompt_logprobs is not None:
+                p.prompt_logprobs = u.prompt_logprobs
+            prompt_logprobs = p.prompt_logprobs if not p.started else None
             if u.finish_reason is None:
                 if p.text.stopped and not p.finishing:
                     self.engine.finish(u.id, "stop", p.text.stops.stop_reason)  # free the slot now
                     p.finishing = True
-                if delta or new_ids:
-                    events.append(Event(p.id, delta, None, new_ids, new_logprobs, p.index))
+                if delta or new_ids or prompt_logprobs:
+                    p.started = True
+                    events.append(
+                        Event(p.id, delta, None, new_ids, new_logprobs, p.index, False, new_top, prompt_logprobs)
+                    )
                 continue
             reason, stop_reason = u.finish_reason, u.stop_reason
             if p.text.stopped:  # a stop string in this last update's text ends it, whatever else did
@@ -221,9 +237,11 @@ class Generation:
                 timings=u.timings or Timings(),
                 logprobs=p.text.logprobs if p.want_logprobs else None,
                 cached_tokens=u.cached_tokens,
+                top_logprobs=p.text.top if p.want_logprobs and p.params.top_logprobs else None,
+                prompt_logprobs=p.prompt_logprobs,
             )
             last = self._choice_done(p.id, u.id)
-            events.append(Event(p.id, delta, result, new_ids, new_logprobs, p.index, last))
+            events.append(Event(p.id, delta, result, new_ids, new_logprobs, p.index, last, new_top, prompt_logprobs))
         return events
 
     def run(self) -> Iterator[Event]:

@@ -9,6 +9,7 @@ for piece in llm.generate("Tell me a story", max_tokens=20, stream=True): print(
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -36,6 +37,21 @@ from jaxllama.text.conversation import validate_messages
 from jaxllama.text.end_of_generation import end_of_generation_ids, load_generation_config
 from jaxllama.text.structured import Grammar, GrammarCompiler, OutputFormat
 from jaxllama.text.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclasses.dataclass
+class Score:
+    """The scored tokens of one `LLM.score` item, their log-probabilities (each given every token before it), and
+    whether each was the most likely token there (greedy decoding would have produced them)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    greedy: bool
+
+    @property
+    def logprob(self) -> float:
+        """The log-likelihood: the sum of the tokens' log-probabilities."""
+        return float(sum(self.logprobs))
 
 
 class LLM:
@@ -208,6 +224,11 @@ class LLM:
         InvalidParameter for a schema, regular expression or grammar that cannot be compiled."""
         return self.grammars.compile(output, params.stop_token_ids)
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids (special tokens included); raises InvalidParameter for an id outside the
+        vocabulary."""
+        return self.tokenizer.decode(_token_row(0, list(ids), self.config.vocab_size, self.config.max_seq_len))
+
     # ---- generation ------------------------------------------------------------------------------
 
     def generate(
@@ -255,6 +276,49 @@ class LLM:
         conversations = [messages] if single else list(messages)
         ids = [self.encode_chat(c) for c in conversations]
         return self._run(ids, single, stream, stop, include_stop, logprobs, sampling)
+
+    def score(self, items: Sequence) -> list[Score]:
+        """Log-likelihoods, as evaluation harnesses ask for them, computed in one batch (a context shared by several
+        items is computed once): each item is a text or token ids (every token after the first scored), or a
+        (context, continuation) pair of either (the continuation's tokens scored, given the context; texts are
+        encoded apart, the continuation without BOS). Returns a `Score` per item.
+
+        >>> llm.score([("The capital of France is", " Paris")])[0].logprob  # doctest: +SKIP
+        -1.23
+        """
+        prompts, scored = [], []
+        for i, item in enumerate(items):
+            if isinstance(item, tuple):
+                if len(item) != 2:
+                    raise InvalidRequest(f"items[{i}]: a pair is (context, continuation)")
+                context, continuation = item
+                context = self.encode(context) if isinstance(context, str) else list(context)
+                continuation = (
+                    self.encode(continuation, add_bos=False) if isinstance(continuation, str) else list(continuation)
+                )
+                if not context or not continuation:
+                    raise InvalidRequest(f"items[{i}]: the context and the continuation must each hold a token")
+                prompts.append(context + continuation)
+                scored.append(len(continuation))
+            else:
+                ids = self.encode(item) if isinstance(item, str) else list(item)
+                if len(ids) < 2:
+                    raise InvalidRequest(f"items[{i}]: a text to score needs at least two tokens")
+                prompts.append(ids)
+                scored.append(len(ids) - 1)
+        params = SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=1)
+        request_ids = []
+        for prompt in prompts:
+            request_ids.append(self._new_id())
+            self.generation.submit(request_ids[-1], prompt, params)
+        results = {e.id: e.result for e in self.generation.run() if e.result is not None}
+        out = []
+        for rid, prompt, n in zip(request_ids, prompts, scored, strict=True):
+            positions = results[rid].prompt_logprobs[-n:]
+            tokens = prompt[-n:]
+            greedy = all(top[0][0] == t for t, (_, top) in zip(tokens, positions, strict=True))
+            out.append(Score(tokens, [lp for lp, _ in positions], greedy))
+        return out
 
     def _run(self, ids, single, stream, stop, include_stop, logprobs, sampling):
         unknown = set(sampling) - set(SAMPLING_FIELDS) - set(OUTPUT_FORMAT_FIELDS) - {"n"}
@@ -343,4 +407,4 @@ def _sequence_logits(params, config, tokens, out_sharding, ops):
     return jax.lax.with_sharding_constraint(sequence_logits(params, config, tokens, ops), out_sharding)
 
 
-__all__ = ["LLM", "Result"]
+__all__ = ["LLM", "Result", "Score"]

@@ -56,6 +56,17 @@ def smollm2_float32_checkpoint(smollm2_path, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def transformers_smollm2(smollm2_path):
+    """HF transformers' SmolLM2 from the same GGUF, in float32: the oracle for its logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_chat_checkpoint(tmp_path_factory) -> Path:
     """A tiny random ChatML model (see tests/factories.py: write_chat_gguf), converted once per test session."""
     from converters.llama import convert

@@ -8,8 +8,10 @@ import json
 import pytest
 
 from jaxllama import errors as E
-from jaxllama.engine.request import SamplingParams
+from jaxllama.engine.request import SamplingParams, Timings
+from jaxllama.generation import Result
 from jaxllama.protocol import errors, responses
+from jaxllama.protocol.logprobs import answer_logprobs
 from jaxllama.protocol.pipeline import RequestPipeline
 from jaxllama.protocol.requests import REQUEST_FIELDS, SAMPLING_FIELDS, output_options, parse_body, sampling_params
 from jaxllama.text.chat_template import ChatTemplate, ChatTemplateError
@@ -33,10 +35,12 @@ def test_fields_override_the_defaults():
     }
     parsed = parse_body(body, "chat", DEFAULTS)
     assert parsed.params == SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=1, stop_token_ids=(5,))
-    assert parsed.stop == ["\n"] and parsed.model == "m" and parsed.messages == HI and parsed.prompt is None
+    assert parsed.stop == ["\n"] and parsed.model == "m" and parsed.messages == HI and parsed.prompts is None
     assert parse_body({"prompt": "x", "temperature": None}, "completion", DEFAULTS, ["END"]).params == DEFAULTS
     assert parse_body({"prompt": "x"}, "completion", DEFAULTS, ["END"]).stop == ["END"]
-    assert parse_body({"prompt": ["x"]}, "completion", DEFAULTS).prompt == "x"
+    assert parse_body({"prompt": ["x"]}, "completion", DEFAULTS).prompts == ["x"]
+    assert parse_body({"prompt": [1, 2]}, "completion", DEFAULTS).prompts == [[1, 2]]
+    assert parse_body({"prompt": ["x", [3]]}, "completion", DEFAULTS).prompts == ["x", [3]]
 
 
 def test_the_sampling_fields_are_those_of_sampling_params():
@@ -44,6 +48,7 @@ def test_the_sampling_fields_are_those_of_sampling_params():
     every = {"max_tokens": 9, "temperature": 0.0, "top_k": 4, "top_p": 0.5, "min_p": 0.1, "seed": 2}
     every |= {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.5, "stop_token_ids": [3]}
     every |= {"min_tokens": 2, "ignore_eos": True, "logit_bias": {"7": -100, "3": 2.5}}
+    every |= {"top_logprobs": 3, "prompt_logprobs": 1}
     assert set(every) == set(SAMPLING_FIELDS)
     expected = {**every, "stop_token_ids": (3,), "logit_bias": ((3, 2.5), (7, -100.0))}
     assert sampling_params(every, DEFAULTS) == SamplingParams(**expected)
@@ -70,8 +75,10 @@ def test_the_sampling_fields_are_those_of_sampling_params():
         ({"messages": HI, "guided_regex": "a", "guided_json": {}}, "chat", "invalid_parameter", "guided_regex"),
         ({"messages": HI, "guided_grammar": 3}, "chat", "invalid_parameter", "guided_grammar"),
         ({"messages": [{"role": "user"}]}, "chat", "invalid_messages", "messages"),
-        ({"prompt": ["a", "b"]}, "completion", "invalid_request", "prompt"),
-        ({"prompt": "x", "echo": True}, "completion", "invalid_parameter", "echo"),
+        ({"prompt": ["a", 3]}, "completion", "invalid_request", "prompt"),
+        ({"prompt": [[1, 2], []]}, "completion", "invalid_request", "prompt"),
+        ({"prompt": "x", "max_tokens": 0}, "completion", "invalid_parameter", "max_tokens"),
+        ({"prompt": "x", "echo": 1}, "completion", "invalid_parameter", "echo"),
         ({"prompt": "x", "best_of": 2}, "completion", "invalid_parameter", "best_of"),
         ({"prompt": "x", "n": 2, "best_of": 3}, "completion", "invalid_parameter", "best_of"),
         # A lone surrogate (JSON's "\\udc00") is not text: no tokenizer takes it.
@@ -94,7 +101,7 @@ def test_bad_bodies_name_the_field(body, kind, code, param):
 
 def test_off_values_of_unsupported_fields_are_accepted():
     body = {"prompt": "x", "n": 1, "best_of": 1, "echo": False, "suffix": "", "logit_bias": {}, "tools": []}
-    assert parse_body(body, "completion", DEFAULTS).prompt == "x"
+    assert parse_body(body, "completion", DEFAULTS).prompts == ["x"]
 
 
 def test_output_options():
@@ -103,13 +110,22 @@ def test_output_options():
     assert (options.stream, options.include_usage, options.logprobs) == (True, True, True)
     assert output_options({"logprobs": 0}, "completion").logprobs
     assert not output_options({"logprobs": None}, "completion").logprobs
+    # The log-probabilities asked for, as the engine computes them: alternatives, and the prompt's with echo.
+    chat = parse_body({"messages": HI, "logprobs": True, "top_logprobs": 3}, "chat", DEFAULTS).params
+    assert (chat.top_logprobs, chat.prompt_logprobs) == (3, None)
+    echo = parse_body({"prompt": "x", "logprobs": 2, "echo": True, "max_tokens": 0}, "completion", DEFAULTS).params
+    assert (echo.top_logprobs, echo.prompt_logprobs, echo.max_tokens) == (2, 2, 0)
+    plain = parse_body({"prompt": "x", "echo": True, "top_logprobs": 5, "prompt_logprobs": 1}, "completion", DEFAULTS)
+    assert (plain.params.top_logprobs, plain.params.prompt_logprobs) == (0, None)  # no log-probabilities asked
     for body, kind, param in [
         ({"stream": "yes"}, "chat", "stream"),
         ({"stream_options": {"include_usage": True}}, "chat", "stream_options"),
         ({"stream": True, "stream_options": {"include_usage": 1}}, "chat", "stream_options.include_usage"),
-        ({"logprobs": True, "top_logprobs": 1}, "chat", "top_logprobs"),
-        ({"logprobs": 2}, "completion", "logprobs"),
+        ({"top_logprobs": 1}, "chat", "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "chat", "top_logprobs"),
+        ({"logprobs": 21}, "completion", "logprobs"),
         ({"logprobs": True}, "completion", "logprobs"),
+        ({"echo": "yes"}, "completion", "echo"),
     ]:
         with pytest.raises(E.InvalidParameter) as e:
             output_options(body, kind)
@@ -245,8 +261,24 @@ def test_log_probabilities_that_are_not_finite_are_answered_as_the_floor():
     """JSON has no NaN nor infinity: such log-probabilities (after an extreme penalty) get a finite floor."""
     logprobs = [-0.5, float("nan"), float("-inf"), float("inf")]
     floor = responses.LOGPROB_FLOOR
-    chat = responses.chat_logprobs(["a", "b", "c", "d"], logprobs)
+
+    class Letters:  # token i reads as the i-th letter
+        def decode(self, ids):
+            return "".join(chr(ord("a") + i) for i in ids)
+
+    result = Result(0, "abcd", [0, 1, 2, 3], "length", None, 1, Timings(), logprobs)
+    result.top_logprobs = [[(i, lp)] for i, lp in enumerate(logprobs)]
+    options = output_options({"logprobs": True, "top_logprobs": 1}, "chat")
+    chat = answer_logprobs("chat", Letters(), options, [0], result)
     assert [t["logprob"] for t in chat["content"]] == [-0.5, floor, floor, floor]
-    text = responses.text_logprobs(["a", "b", "c", "d"], logprobs)
+    assert [t["top_logprobs"][0]["logprob"] for t in chat["content"]] == [-0.5, floor, floor, floor]
+    text = answer_logprobs("completion", Letters(), output_options({"logprobs": 1}, "completion"), [0], result)
     assert text["token_logprobs"] == [-0.5, floor, floor, floor]
+    assert text["tokens"] == ["a", "b", "c", "d"] and text["text_offset"] == [0, 1, 2, 3]
+    assert [t["a"] if i == 0 else next(iter(t.values())) for i, t in enumerate(text["top_logprobs"])] == [
+        -0.5,
+        floor,
+        floor,
+        floor,
+    ]
     json.dumps([chat, text], allow_nan=False)

@@ -7,28 +7,32 @@ import uuid
 from typing import TYPE_CHECKING
 
 from jaxllama.batch.jobs import JobLine
-from jaxllama.protocol import errors, responses
+from jaxllama.protocol import answers, errors, responses
 from jaxllama.protocol.pipeline import PreparedRequest
 
 if TYPE_CHECKING:
     from jaxllama.generation import Result
 
 
-def success(line: JobLine, request: PreparedRequest, result: Result | list[Result], model_name: str) -> dict:
-    """The answer to a line: `{"id", "message" | "text", "finish_reason", "stop_reason", "usage", "timings"}`; for
-    a line asking for n > 1 samples (`result`: their list), `{"id", "choices", "usage", "timings"}` with the
-    choices as the server answers them (`{"index", "message" | "text", "finish_reason", "stop_reason"}`)."""
+def success(line: JobLine, request: PreparedRequest, result: Result | list[Result], model_name: str, tokenizer) -> dict:
+    """The answer to a line: `{"id", "message" | "text", "finish_reason", "stop_reason", "usage", "timings"}` (and
+    `logprobs`, in the server's shape, when the line asked for them); for a line asking for n > 1 samples (`result`:
+    their list), `{"id", "choices", "usage", "timings"}` with the choices as the server answers them."""
     if line.openai:
-        return _openai_success(line, request, result, model_name)
+        return _openai_success(line, request, result, model_name, tokenizer)
     if isinstance(result, list):
-        body = responses.completion(request.kind, result, model_name)
-        choices = [{k: v for k, v in c.items() if k != "logprobs"} for c in body["choices"]]
+        body = answers.answer(request, [result], model_name, tokenizer)
+        keep = (lambda k: True) if request.options.logprobs else (lambda k: k != "logprobs")
+        choices = [{k: v for k, v in c.items() if keep(k)} for c in body["choices"]]
         return {"id": line.id, "choices": choices, "usage": body["usage"], "timings": body["timings"]}
     record = {"id": line.id}
+    choice = answers.answer(request, [result], model_name, tokenizer)["choices"][0]
     if request.kind == "chat":
-        record["message"] = {"role": "assistant", "content": result.text}
+        record["message"] = choice["message"]
     else:
-        record["text"] = result.text
+        record["text"] = choice["text"]
+    if request.options.logprobs:
+        record["logprobs"] = choice["logprobs"]
     record.update(
         finish_reason=result.finish_reason,
         stop_reason=result.stop_reason,
@@ -38,8 +42,10 @@ def success(line: JobLine, request: PreparedRequest, result: Result | list[Resul
     return record
 
 
-def _openai_success(line: JobLine, request: PreparedRequest, result: Result | list[Result], model_name: str) -> dict:
-    body = responses.completion(request.kind, result, request.model or model_name)
+def _openai_success(
+    line: JobLine, request: PreparedRequest, result: Result | list[Result], model_name: str, tokenizer
+) -> dict:
+    body = answers.answer(request, [result if isinstance(result, list) else [result]], model_name, tokenizer)
     request_id = body["id"].split("-", 1)[1]
     return {
         "id": f"batch_req_{request_id}",

@@ -165,6 +165,7 @@ class _Batch:
                 request.prompt,
                 request.params,
                 request.stop,
+                logprobs=request.options.logprobs,
                 priority=priority,
                 grammar=request.grammar,
                 n=request.n,
@@ -192,7 +193,8 @@ class _Batch:
                     continue
                 del self.running[event.id]
                 try:
-                    record = records.success(line, request, results if request.n > 1 else results[0], model_name)
+                    answer = results if request.n > 1 else results[0]
+                    record = records.success(line, request, answer, model_name, self.llm.tokenizer)
                 except Exception as e:  # one line's fault costs that line only
                     self.fail(line, e)
                     continue

@@ -28,7 +28,7 @@ from jaxllama.core.model import layer_params
 from jaxllama.core.ops import Ops
 from jaxllama.core.sharding import named_sharding
 from jaxllama.engine import buckets, kvcache, step
-from jaxllama.engine.interface import PrefillRow, Sampled
+from jaxllama.engine.interface import PrefillRow, PromptLogprobs, Sampled
 from jaxllama.engine.programs import Programs
 from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import agreed_seed
@@ -121,18 +121,23 @@ class Device:
         fn = functools.partial(step.prefill_inputs, config=self.config)
         x, positions, rope = self._call("prefill_inputs", fn, (self._outer, inputs["tokens"], inputs["starts"]))
         x = self._prefill_layers(x, positions, rope, inputs["sources"], inputs["slots"], batch.span, batch.fresh)
+        prompt = self._prompt_logprobs(x, inputs["tokens"], rows) if batch.prompt_logprobs else None
         if not sample:
-            jax.block_until_ready(x)
-            return None
+            if prompt is None:
+                jax.block_until_ready(x)
+                return None
+            none = np.zeros((0, len(rows)), np.int32)
+            return Sampled(none, none.astype(np.float32), none.astype(bool), none, prompt=prompt)
         x = self._call("prefill_last", step.prefill_last, (x, inputs["lengths"]))
         if masks is not None:  # computed on the host while the layers run (dispatch is asynchronous)
             inputs["mask"] = self._put(_padded_masks(masks(), batch.arrays["mask"]))
         args = (self._outer, self.state, x) + tuple(inputs[k] for k in _PrefillBatch.OUTPUT_ARGS)
         fn = functools.partial(step.prefill_outputs, config=self.config, flags=batch.flags, ops=self.ops)
-        out = self._outputs_sharding(3)
+        out = self._outputs_sharding(4)
         self.state, *out = self._call("prefill_outputs", fn, args, batch.flags, donate=1, out=out)
-        first, logprobs, finish = (np.asarray(x)[None, : len(rows)] for x in jax.device_get(out))
-        return Sampled(first, logprobs, np.ones_like(first, bool), finish)
+        first, logprobs, finish, top = jax.tree.map(lambda x: np.asarray(x)[None, : len(rows)], jax.device_get(out))
+        top_ids, top_logprobs = top if top is not None else (None, None)
+        return Sampled(first, logprobs, np.ones_like(first, bool), finish, top_ids, top_logprobs, prompt)
 
     def generate(
         self,
@@ -162,12 +167,22 @@ class Device:
             if masks is not None:  # computed on the host while the layers run (dispatch is asynchronous)
                 mask = self._put(_padded_masks(masks(), np.full((len(columns), self.mask_words), -1, np.int32)))
             args = (self._outer, self.state, keep, x, slots, mask)
-            self.state, *out = self._call("decode_outputs", outputs_fn, args, flags, 1, self._outputs_sharding(4))
+            self.state, *out = self._call("decode_outputs", outputs_fn, args, flags, 1, self._outputs_sharding(5))
             steps.append(out)
             keep = kept  # cancellations apply at the first step
-        return Sampled(*(np.stack(x) for x in zip(*jax.device_get(steps), strict=True)))
+        tokens, logprobs, emitted, finish, top = (list(x) for x in zip(*jax.device_get(steps), strict=True))
+        top_ids, top_logprobs = (np.stack(x) for x in zip(*top, strict=True)) if flags.top else (None, None)
+        return Sampled(*(np.stack(x) for x in (tokens, logprobs, emitted, finish)), top_ids, top_logprobs)
 
     # ---- programs ---------------------------------------------------------------------------------
+
+    def _prompt_logprobs(self, x, tokens, rows: Sequence[PrefillRow]) -> list[PromptLogprobs]:
+        """Each row's `step.prompt_logprobs`, for its tokens after the first."""
+        fn = functools.partial(step.prompt_logprobs, config=self.config, ops=self.ops)
+        out = self._call("prompt_logprobs", fn, (self._outer, x, tokens), out=(self._replicated,) * 3)
+        logprobs, top_ids, top_logprobs = jax.device_get(out)
+        n = [len(r.tokens) - 1 for r in rows]
+        return [PromptLogprobs(logprobs[i, :k], top_ids[i, :k], top_logprobs[i, :k]) for i, k in enumerate(n)]
 
     def _call(self, kind: str, fn, args, static_key=None, donate: int | None = None, out=None):
         return self.programs(kind, fn, args, static_key, donate, self._activations if out is None else out)
@@ -251,6 +266,7 @@ class _PrefillBatch:
     flags: SamplerFlags
     span: int  # cache positions each row reads and writes
     fresh: bool  # no row starts from a stored prefix
+    prompt_logprobs: bool  # some row asks for its prompt's log-probabilities
 
     # prefill_outputs' arguments after (params, state, x), by name in `arrays`.
     OUTPUT_ARGS = ("starts", "lengths", "slots", "seen", "sampling", "max_tokens", "limits", "stop_ids", "mask")
@@ -290,7 +306,8 @@ class _PrefillBatch:
         if flags.penalize:
             for i, r in enumerate(rows):
                 a["seen"][i, r.request.prompt] = True
-        return _PrefillBatch(a, flags, span, fresh)
+        prompt_logprobs = any(r.request.params.prompt_logprobs is not None for r in rows)
+        return _PrefillBatch(a, flags, span, fresh, prompt_logprobs)
 
 
 def _padded_masks(masks: np.ndarray, out: np.ndarray) -> np.ndarray:

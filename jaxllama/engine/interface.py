@@ -31,15 +31,42 @@ class PrefillRow:
 
 
 @dataclasses.dataclass
+class PromptLogprobs:
+    """Log-probabilities of a run of consecutive prompt tokens, each given every token before it: [t] of the tokens
+    themselves, and the ids [t, k] and log-probabilities [t, k] of the k most likely tokens at each, the most likely
+    first. Which tokens they are is the holder's to say."""
+
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def __getitem__(self, part: slice) -> PromptLogprobs:
+        return PromptLogprobs(self.logprobs[part], self.top_ids[part], self.top_logprobs[part])
+
+    @staticmethod
+    def join(parts: Sequence[PromptLogprobs]) -> PromptLogprobs:
+        return PromptLogprobs(*(np.concatenate(x) for x in zip(*(dataclasses.astuple(p) for p in parts), strict=True)))
+
+
+@dataclasses.dataclass
 class Sampled:
     """What a prefill or decode call sampled, [steps, rows] (a prefill: one step, a row per PrefillRow; a decode
     call: a row per column): the tokens, their log-probabilities, whether the row emitted a token at that step, and
-    its FINISH code there (the token of a STOPPED row is the end-of-generation id that stopped it)."""
+    its FINISH code there (the token of a STOPPED row is the end-of-generation id that stopped it). When some row
+    asked: the MAX_LOGPROBS most likely tokens at each step [steps, rows, k] (ids, log-probabilities), and, for a
+    prefill, per row the log-probabilities of its tokens after the first (`PrefillRow.tokens[1:]`), given the
+    tokens before them."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
     emitted: np.ndarray
     finish: np.ndarray
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+    prompt: list[PromptLogprobs] | None = None
 
 
 class DeviceInterface(Protocol):
@@ -61,7 +88,8 @@ class DeviceInterface(Protocol):
         self, rows: Sequence[PrefillRow], sample: bool = True, masks: Callable[[], np.ndarray] | None = None
     ) -> Sampled | None:
         """Compute the rows into their slots; with `sample`, start them decoding and sample their first tokens
-        (each among the tokens its row of `masks()` allows: [rows, ceil(vocab / 32)] int32 bitmasks)."""
+        (each among the tokens its row of `masks()` allows: [rows, ceil(vocab / 32)] int32 bitmasks). Where a row's
+        request has `prompt_logprobs`, the answer has `prompt` (with no steps, without `sample`)."""
 
     def generate(
         self,

@@ -6,6 +6,10 @@ refilled. A new prompt that shares a prefix with any slot's sequence (a system p
 a conversation) copies those positions from that slot and computes only the rest. Prompts admitted
 together that share a prefix none of the slots holds get it computed once (`shared_prefixes`).
 
+A slot also keeps the log-probabilities of its prompt's tokens when its request asked for them
+(`interface.PromptLogprobs`): a prompt that wants its own reuses a prefix only as far as they are known, so that
+scoring many continuations of one context computes the context once and still reports every position.
+
 Plain Python over token lists: every process of a multi-host run makes the same choices.
 """
 
@@ -15,6 +19,8 @@ import os
 from collections.abc import Sequence
 
 import numpy as np
+
+from jaxllama.engine.interface import PromptLogprobs
 
 MIN_REUSE = 8  # tokens: below this, computing the prefix again costs less than the bookkeeping
 
@@ -26,26 +32,38 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class ResidentPrefixes:
-    """Per slot: the token ids whose keys/values sit at positions 0.. of that slot's cache."""
+    """Per slot: the token ids whose keys/values sit at positions 0.. of that slot's cache, and the
+    log-probabilities known of its tokens 1, 2, ... (a `PromptLogprobs`, or None)."""
 
     def __init__(self, slots: int):
         self.tokens = [np.zeros(0, np.int32) for _ in range(slots)]
+        self.logprobs: list[PromptLogprobs | None] = [None] * slots
 
-    def hold(self, slot: int, tokens: Sequence[int]) -> None:
-        """The slot's cache now holds exactly these tokens' keys/values."""
+    def hold(self, slot: int, tokens: Sequence[int], logprobs: PromptLogprobs | None = None) -> None:
+        """The slot's cache now holds exactly these tokens' keys/values; `logprobs`: those of its tokens from the
+        second on, as far as they are known."""
         self.tokens[slot] = np.asarray(tokens, np.int32)
+        self.logprobs[slot] = logprobs
 
     def truncate(self, length: int) -> None:
         """The cache was cut to `length` positions."""
         self.tokens = [t[:length] for t in self.tokens]
+        self.logprobs = [None if lp is None else lp[: max(0, length - 1)] for lp in self.logprobs]
 
-    def best(self, prompt: Sequence[int], exclude: frozenset[int] = frozenset()) -> tuple[int | None, int]:
+    def best(
+        self, prompt: Sequence[int], exclude: frozenset[int] = frozenset(), logprobs: bool = False
+    ) -> tuple[int | None, int]:
         """(slot, n): the slot holding the longest prefix of `prompt` and its length, at most len(prompt) - 1
-        (the last prompt token is always computed: it gives the first token's logits); (None, 0) if no slot
-        holds at least MIN_REUSE tokens of it."""
+        (the last prompt token is always computed: it gives the first token's logits), and with `logprobs` at most
+        the number of its tokens after the first whose log-probabilities the slot knows (the prompt's own then come
+        from it up to token n, and from the prefill after); (None, 0) if no slot holds at least MIN_REUSE tokens
+        of it."""
         p = np.asarray(prompt, np.int32)[: len(prompt) - 1]
         best_slot, best_n = None, MIN_REUSE - 1
         for slot, held in enumerate(self.tokens):
+            if logprobs:
+                known = self.logprobs[slot]
+                held = held[: 0 if known is None else len(known)]
             if slot in exclude or len(held) <= best_n:
                 continue
             n = common_prefix(p, held)

@@ -19,6 +19,13 @@ from jaxllama.errors import InvalidParameter
 FinishReason = Literal["stop", "length", "cancelled"]
 
 MAX_LOGIT_BIAS = 300  # logit_bias entries a request may give (OpenAI's limit)
+# Alternatives a request may ask for at each position (OpenAI's top_logprobs limit): the device always computes
+# this many, so that one compiled program serves every request that asks.
+MAX_LOGPROBS = 20
+
+# A token's log-probability and its alternatives at that position: (token id, log-probability) pairs, the most
+# likely first.
+TopLogprobs = list[tuple[int, float]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +46,11 @@ class SamplingParams:
     ignore_eos: bool = False  # the model's end-of-generation ids do not end it (stop_token_ids still do)
     # OpenAI's {token_id: bias}: added to those tokens' logits before sampling; held as sorted (id, bias) pairs
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Log-probabilities reported beside the sampled tokens' own: the `top_logprobs` most likely tokens at each
+    # generated position, and with `prompt_logprobs` (None: none) each prompt token's, given the tokens before it,
+    # with that many alternatives (vLLM's). max_tokens 0 ends a request after its prompt (for prompt_logprobs).
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -48,7 +60,7 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise InvalidParameter naming the field when a parameter is out of range."""
         checks = [
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens > 0, "must be a positive integer"),
+            ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 0, "must be an integer >= 0"),
             ("temperature", _finite(self.temperature) and self.temperature >= 0, "must be >= 0"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be an integer >= 0"),
             ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
@@ -66,6 +78,17 @@ class SamplingParams:
                 len(self.logit_bias) <= MAX_LOGIT_BIAS
                 and all(t >= 0 and _finite(b) and -100 <= b <= 100 for t, b in self.logit_bias),
                 f"at most {MAX_LOGIT_BIAS} token ids >= 0, each with a bias in [-100, 100]",
+            ),
+            (
+                "top_logprobs",
+                _is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_LOGPROBS,
+                f"must be an integer from 0 to {MAX_LOGPROBS}",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None
+                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                f"must be an integer from 0 to {MAX_LOGPROBS}",
             ),
             ("repetition_penalty", _finite(self.repetition_penalty) and self.repetition_penalty > 0, "must be > 0"),
             (
@@ -173,3 +196,7 @@ class Update:
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose keys/values were reused, not computed
     timings: Timings | None = None
+    top_logprobs: list[TopLogprobs] | None = None  # per token, with params.top_logprobs > 0
+    # On a request's first update, with params.prompt_logprobs set: per prompt token after the first, its
+    # log-probability given the tokens before it and its params.prompt_logprobs alternatives.
+    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None

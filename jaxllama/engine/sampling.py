@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllama.core.ops import XLA, Ops, logprob_of
-from jaxllama.engine.request import MAX_LOGIT_BIAS, SamplingParams
+from jaxllama.engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 
 @jax.tree_util.register_dataclass
@@ -74,6 +74,7 @@ class SamplerFlags:
     hold_stops: bool = False  # some row has min_tokens: its stop ids are not sampled before them
     bias: bool = False  # some row has a logit_bias
     mask: bool = False  # some row samples only among the tokens a bitmask allows (structured output)
+    top: bool = False  # some row asks for top_logprobs: every row's MAX_LOGPROBS most likely tokens are reported
 
     @property
     def sample(self) -> bool:
@@ -88,6 +89,7 @@ class SamplerFlags:
             penalize=any(p.penalized for p in params),
             hold_stops=any(p.min_tokens > 0 for p in params),
             bias=any(p.logit_bias for p in params),
+            top=any(p.top_logprobs > 0 for p in params),
         )
 
 
@@ -152,7 +154,8 @@ def sample(
     [b, ceil(v / 32)] int32 (with `flags.mask`): the tokens each row may draw, as a bitmask (all ones: any).
 
     Returns (tokens [b] int32, logprobs [b] float32: log-probability of each token under the model's
-    distribution after penalties and temperature, before top-k/top-p/min-p truncation).
+    distribution after penalties and temperature, before top-k/top-p/min-p truncation, top: `top_logprobs`' pair
+    from that same distribution, with `flags.top`, else None).
     """
     if flags.hold_stops:
         logits = hold_stops(logits, rows, step, stop_ids)
@@ -162,8 +165,9 @@ def sample(
         logits = apply_bias(logits, rows)
     if flags.mask:
         logits = apply_mask(logits, mask)
+    top = top_logprobs(logits, rows) if flags.top else None
     if not flags.sample:
-        return ops.greedy(logits)
+        return *ops.greedy(logits), top
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     neg = jnp.finfo(jnp.float32).min
     scaled = logits / jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
@@ -185,4 +189,15 @@ def sample(
         tokens = jnp.where(filtered, drawn, tokens)
     sampled = rows.temperature > 0
     scaled_lp = jnp.take_along_axis(scaled - logz, tokens[:, None], axis=-1)[:, 0]
-    return tokens, jnp.where(sampled, scaled_lp, logprob_of(logits, tokens))
+    return tokens, jnp.where(sampled, scaled_lp, logprob_of(logits, tokens)), top
+
+
+def top_logprobs(logits, rows: SamplingRows):
+    """The MAX_LOGPROBS most likely tokens of each row and their log-probabilities, in the distribution a sampled
+    token's log-probability is reported from: logits [b, v] (after penalties) divided by the row's temperature, or
+    as they are for a greedy row. Temperature keeps the order, so the candidates are the logits' own top.
+    -> (ids [b, k] int32, logprobs [b, k] float32), the most likely first."""
+    values, ids = jax.lax.top_k(logits, min(MAX_LOGPROBS, logits.shape[-1]))
+    t = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
+    logz = jax.nn.logsumexp(logits / t, axis=-1, keepdims=True)
+    return ids.astype(jnp.int32), values / t - logz

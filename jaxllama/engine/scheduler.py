@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from jaxllama.engine import buckets
-from jaxllama.engine.interface import FINISH, STOPPED, DeviceInterface, PrefillRow, Sampled
+from jaxllama.engine.interface import FINISH, STOPPED, DeviceInterface, PrefillRow, PromptLogprobs, Sampled
 from jaxllama.engine.prefix import ResidentPrefixes, shared_prefixes
-from jaxllama.engine.request import FinishReason, Request, SamplingParams, Timings, TokenConstraint, Update
+from jaxllama.engine.request import FinishReason, Request, SamplingParams, Timings, TokenConstraint, TopLogprobs, Update
 from jaxllama.engine.stats import EngineStats
 from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
 
@@ -38,6 +38,7 @@ class _Slot:
     first_token: float = 0.0
     cached: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far
+    prompt_logprobs: PromptLogprobs | None = None  # of the prompt's tokens after the first, when computed
 
 
 class Scheduler:
@@ -152,14 +153,14 @@ class Scheduler:
         self._compute_shared_prefixes(take, free)
         by_bucket = collections.defaultdict(list)
         for r in take:
-            reuse = self.prefixes.best(r.prompt)[1]
+            reuse = self.prefixes.best(r.prompt, logprobs=_wants_prompt_logprobs(r))[1]
             by_bucket[buckets.prompt_bucket(len(r.prompt) - reuse, self.max_context)].append(r)
         updates = []
         for _, group in sorted(by_bucket.items()):
             rows = []
             for r in group:
                 # Sources are chosen just before each call: the cache then holds what `prefixes` says.
-                source, start = self.prefixes.best(r.prompt)
+                source, start = self.prefixes.best(r.prompt, logprobs=_wants_prompt_logprobs(r))
                 slot = source if source in free else min(free, key=lambda i: len(self.prefixes.tokens[i]))
                 free.remove(slot)
                 rows.append(PrefillRow(r, r.prompt[start:], start, source if source is not None else slot, slot))
@@ -180,13 +181,14 @@ class Scheduler:
         that the first of them will then take."""
         rows = []
         for members, n in shared_prefixes([r.prompt for r in requests]):
-            if self.prefixes.best(requests[members[0]].prompt)[1] >= n or len(rows) == len(free):
+            # Where a member wants its prompt's log-probabilities, the prefix's are computed with it and kept.
+            logprobs = any(_wants_prompt_logprobs(requests[i]) for i in members)
+            if self.prefixes.best(requests[members[0]].prompt, logprobs=logprobs)[1] >= n or len(rows) == len(free):
                 continue
             slot = sorted(free, key=lambda i: len(self.prefixes.tokens[i]))[len(rows)]
             prefix = requests[members[0]].prompt[:n]
-            rows.append(
-                PrefillRow(Request(None, prefix, SamplingParams(temperature=0.0, max_tokens=1)), prefix, 0, slot, slot)
-            )
+            params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0 if logprobs else None)
+            rows.append(PrefillRow(Request(None, prefix, params), prefix, 0, slot, slot))
         if rows:
             self._prefill(rows, sample=False)
 
@@ -201,18 +203,34 @@ class Scheduler:
         self.stats.prefill_calls += 1
         self.stats.prefill_tokens += sum(len(r.tokens) for r in rows)
         self.stats.prefill_s += now - start - (self.stats.compile_s - compiling)
-        for r in rows:
-            self.prefixes.hold(r.slot, r.request.prompt)
+        prompt_logprobs = self._prompt_logprobs(rows, out)
+        for r, logprobs in zip(rows, prompt_logprobs, strict=True):
+            self.prefixes.hold(r.slot, r.request.prompt, logprobs)
         if not sample:
             return []
         updates = []
         for i, r in enumerate(rows):
             self._stopping.discard(r.slot)  # refilled: the slot's new request must not be stopped
             self.stats.cached_tokens += r.start
-            s = _Slot(r.request, len(r.request.prompt), 0, start, now, r.start)
+            s = _Slot(r.request, len(r.request.prompt), 0, start, now, r.start, prompt_logprobs=prompt_logprobs[i])
             self.active[r.slot] = s
             updates += self._advance(r.slot, s, out, i, first=True)
         return updates
+
+    def _prompt_logprobs(self, rows: list[PrefillRow], out: Sampled | None) -> list[PromptLogprobs | None]:
+        """The log-probabilities of each row's prompt tokens after the first, where the prefill computed them: those
+        of a reused prefix as its source slot keeps them (read before any row's slot is held anew), then the
+        prefill's own."""
+        if out is None or out.prompt is None:
+            return [None] * len(rows)
+        whole = []
+        for r, computed in zip(rows, out.prompt, strict=True):
+            known = self.prefixes.logprobs[r.source] if r.start else None
+            if r.start and (known is None or len(known) < r.start):
+                whole.append(None)  # reused past what is known: the row did not ask (`best`)
+            else:
+                whole.append(PromptLogprobs.join([known[: r.start], computed]) if r.start else computed)
+        return whole
 
     # ---- decoding ---------------------------------------------------------------------------------
 
@@ -245,12 +263,28 @@ class Scheduler:
     def _advance(self, slot: int, s: _Slot, out: Sampled, column: int, first: bool = False) -> list[Update]:
         """Take what the device sampled for slot (column `column` of `out`); end the request if the device says so.
         `first`: the prefill's token, whose update also says the prompt's size."""
+        params = s.request.params
         steps = [i for i in range(out.emitted.shape[0]) if out.emitted[i, column]]
+        if first and params.max_tokens == 0:  # the prompt alone was asked for: its sampled token is dropped
+            steps = []
         tokens = [int(out.tokens[i, column]) for i in steps]
         logprobs = [float(out.logprobs[i, column]) for i in steps]
+        extra = {}
+        if params.top_logprobs and out.top_ids is not None:
+            n = params.top_logprobs
+            extra["top_logprobs"] = [_top(out.top_ids[i, column], out.top_logprobs[i, column], n) for i in steps]
+        if first and params.prompt_logprobs is not None and s.prompt_logprobs is not None:
+            p, n = s.prompt_logprobs, params.prompt_logprobs
+            extra["prompt_logprobs"] = [
+                (float(p.logprobs[j]), _top(p.top_ids[j], p.top_logprobs[j], n)) for j in range(len(p))
+            ]
         s.generated += len(tokens)
         s.tokens += tokens
-        reason = FINISH[int(out.finish[steps[-1], column])] if steps else None
+        if first and params.max_tokens == 0:
+            reason, code = "length", None
+        else:
+            code = int(out.finish[steps[-1], column]) if steps else None
+            reason = FINISH[code] if steps else None
         constraint = s.request.constraint
         if constraint is not None and reason is None:
             for t in tokens:
@@ -259,13 +293,13 @@ class Scheduler:
                 del self.active[slot]
                 self._release(slot, s)
                 self._stopping.add(slot)
-                return [_final_update(s, tokens, logprobs, "stop", None)]
+                return [_final_update(s, tokens, logprobs, "stop", None, **extra)]
         if reason is None:
-            return [Update(s.request.id, tokens, logprobs, **(_prompt_usage(s) if first else {}))]
+            return [Update(s.request.id, tokens, logprobs, **extra, **(_prompt_usage(s) if first else {}))]
         del self.active[slot]
         self._release(slot, s)
-        stop_token = tokens[-1] if int(out.finish[steps[-1], column]) == STOPPED else None
-        return [_final_update(s, tokens, logprobs, reason, stop_token)]
+        stop_token = tokens[-1] if code == STOPPED else None
+        return [_final_update(s, tokens, logprobs, reason, stop_token, **extra)]
 
     def _decode_columns(self) -> list[int]:
         """The slots a decode call runs: every slot, or, when few are active, just those (padded with the
@@ -310,16 +344,27 @@ class Scheduler:
     # ---- ending -----------------------------------------------------------------------------------
 
     def _release(self, slot: int, s: _Slot) -> None:
-        """The slot is free; its cache keeps the sequence (all but the last token, never fed back)."""
-        self.prefixes.hold(slot, s.request.prompt + s.tokens[:-1])
+        """The slot is free; its cache keeps the sequence (all but the last token, never fed back), and the
+        prompt's log-probabilities where they were computed."""
+        self.prefixes.hold(slot, s.request.prompt + s.tokens[:-1], s.prompt_logprobs)
+
+
+def _wants_prompt_logprobs(r: Request) -> bool:
+    return r.params.prompt_logprobs is not None
+
+
+def _top(ids, logprobs, n: int) -> TopLogprobs:
+    """The first n (token id, log-probability) pairs of a position's most likely tokens."""
+    return [(int(i), float(lp)) for i, lp in zip(ids[:n], logprobs[:n], strict=True)]
 
 
 def _prompt_usage(s: _Slot) -> dict:
     return dict(prompt_tokens=len(s.request.prompt), cached_tokens=s.cached)
 
 
-def _final_update(s: _Slot, tokens, logprobs, reason: FinishReason, stop_reason) -> Update:
-    """A request's last update: its last tokens, why it ended, its usage and timings."""
+def _final_update(s: _Slot, tokens, logprobs, reason: FinishReason, stop_reason, **extra) -> Update:
+    """A request's last update: its last tokens, why it ended, its usage and timings (`extra`: more `Update`
+    fields)."""
     now = time.perf_counter()
     r = s.request
     decode_s = now - s.first_token if s.first_token else 0.0
@@ -332,4 +377,6 @@ def _final_update(s: _Slot, tokens, logprobs, reason: FinishReason, stop_reason)
         total_ms=1e3 * (now - r.submitted),
     )
     usage = _prompt_usage(s)
-    return Update(r.id, tokens, logprobs, reason, stop_reason, completion_tokens=s.generated, timings=timings, **usage)
+    return Update(
+        r.id, tokens, logprobs, reason, stop_reason, completion_tokens=s.generated, timings=timings, **usage, **extra
+    )

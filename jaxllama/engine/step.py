@@ -29,6 +29,7 @@ from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import KVCache, cache_shapes, embed, head, layers, rope_angles
 from jaxllama.core.ops import XLA, Ops
 from jaxllama.engine.interface import LENGTH, RUNNING, STOPPED
+from jaxllama.engine.request import MAX_LOGPROBS
 from jaxllama.engine.sampling import SamplerFlags, SamplingRows, sample
 
 
@@ -112,17 +113,19 @@ def decode_outputs(
     rows' state, checking end of generation. keep [s] bool: false cancels a slot first. mask [b, ceil(vocab / 32)]
     int32 (with `flags.mask`): the tokens each row may draw (`sampling.apply_mask`).
 
-    Returns (state, tokens [b], logprobs [b], emitted [b] bool, finish [b]: FINISH codes), where b = s without
-    `slots`.
+    Returns (state, tokens [b], logprobs [b], emitted [b] bool, finish [b]: FINISH codes, top: the rows'
+    `sampling.top_logprobs` with `flags.top`, else None), where b = s without `slots`.
     """
     state = dataclasses.replace(state, active=state.active & keep)
     rows = state if slots is None else _gather(state, slots)
     logits = head(params, config, x[:, 0], ops=ops)
-    tokens, logprobs = sample(logits, rows.rows, rows.step, flags, rows.counts, rows.seen, ops, rows.stop_ids, mask)
+    tokens, logprobs, top = sample(
+        logits, rows.rows, rows.step, flags, rows.counts, rows.seen, ops, rows.stop_ids, mask
+    )
     was_active = rows.active
     rows, finish = _advance(rows, tokens, was_active, flags.penalize)
     state = rows if slots is None else _scatter(state, rows, slots, flags.penalize)
-    return state, tokens, logprobs, was_active, finish
+    return state, tokens, logprobs, was_active, finish, top
 
 
 def _gather(state: DecodeState, slots) -> DecodeState:
@@ -198,7 +201,7 @@ def prefill_outputs(
     row's first token may be (with `flags.mask`; else [n, 1], unread).
 
     Returns (state, first tokens [n], logprobs [n], finish [n]: FINISH codes, RUNNING unless the first token
-    already ended the row).
+    already ended the row, top: as `decode_outputs`').
     """
     n = x.shape[0]
     logits = head(params, config, x[:, 0], ops=ops)
@@ -207,7 +210,7 @@ def prefill_outputs(
         seen = jnp.zeros((n, vocab), bool)
     zeros = jnp.zeros((n,), jnp.int32)
     counts = jnp.zeros((n, vocab), jnp.int32)
-    first, logprobs = sample(logits, new_rows, zeros, flags, counts, seen, ops, stop_ids, mask)
+    first, logprobs, top = sample(logits, new_rows, zeros, flags, counts, seen, ops, stop_ids, mask)
 
     fresh = DecodeState(
         tokens=jnp.full((n,), -1, jnp.int32),
@@ -225,4 +228,25 @@ def prefill_outputs(
     fresh, finish = _advance(fresh, first, jnp.ones((n,), bool), flags.penalize)
     if stop_ids.shape[1] != state.stop_ids.shape[1]:
         raise ValueError("stop_ids width mismatch")
-    return _scatter(state, fresh, slots, flags.penalize), first, logprobs, finish
+    return _scatter(state, fresh, slots, flags.penalize), first, logprobs, finish, top
+
+
+def prompt_logprobs(params, x, tokens, *, config: ModelConfig, ops: Ops = XLA):
+    """The log-probability of each prompt token given the tokens before it, from a prefill's last layer output
+    x [n, q, dim] over its tokens [n, q]: position j's raw logits (no penalty, no temperature) predict token j + 1.
+    One row at a time, so that the [q, vocab] log-softmax is never held for every row at once.
+
+    Returns (logprobs [n, q]: of token j + 1 at position j, meaningless at a row's last token and past it; top ids
+    [n, q, k] int32 and their logprobs [n, q, k]: the k = MAX_LOGPROBS most likely tokens there)."""
+    k = min(MAX_LOGPROBS, config.vocab_size)
+    following = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+
+    def row(args):
+        x, following = args
+        logits = head(params, config, x, ops=ops)  # [q, vocab] float32
+        logz = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        picked = jnp.take_along_axis(logits, following[:, None], axis=-1)
+        values, ids = jax.lax.top_k(logits, k)
+        return (picked - logz)[:, 0], ids.astype(jnp.int32), values - logz
+
+    return jax.lax.map(row, (x, following))

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Protocol
 
 from jaxllama.engine.request import SamplingParams
-from jaxllama.errors import InvalidParameter
+from jaxllama.errors import InvalidParameter, InvalidRequest
 from jaxllama.protocol.requests import OutputOptions, output_options, parse_body
 from jaxllama.text.structured import Grammar, OutputFormat
 
@@ -26,27 +26,35 @@ class Encoder(Protocol):
 
     def grammar(self, output: OutputFormat, params: SamplingParams) -> Grammar: ...
 
+    def decode(self, ids: list[int]) -> str: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class PreparedRequest:
-    """A valid request, ready for the engine."""
+    """A valid request, ready for the engine: one prompt, or a completion's several (an answer each)."""
 
     kind: str  # "chat" | "completion"
-    prompt: list[int]  # token ids
+    prompts: list[list[int]]  # token ids
     params: SamplingParams
     stop: list[str]
     options: OutputOptions
     model: str | None = None  # the body's "model", if it is a string
     grammar: Grammar | None = None  # what the text must match (structured output)
     n: int = 1  # samples of the prompt
+    texts: list[str] | None = None  # a completion's prompts as text (what `echo` answers)
+
+    @property
+    def prompt(self) -> list[int]:
+        """The prompt of a request of one."""
+        return self.prompts[0]
 
 
 @dataclasses.dataclass(frozen=True)
 class RequestPipeline:
     """What a front end fixes for all its requests: the encoder, the sampling defaults and stop strings a body's
     fields override, a system prompt for conversations without one, and whether the answer can be delivered as the
-    delivery fields ask ("stream", "logprobs"): the server can; job lines are answered whole in records without
-    log-probabilities, so a job line asking for them is refused rather than answered without them."""
+    delivery fields ask: the server can stream and answer several prompts at once; job lines are answered whole, a
+    record each, so their stream fields are ignored and a line of several prompts is refused."""
 
     encoder: Encoder
     defaults: SamplingParams
@@ -61,16 +69,23 @@ class RequestPipeline:
         parsed = parse_body(body, kind, self.defaults, list(self.stop))
         options = output_options(body, kind)
         if not self.output_options:
-            if options.logprobs:
-                field = "logprobs" if "logprobs" in body else "top_logprobs"
-                raise InvalidParameter(f"{field}: job records do not carry log-probabilities", field)
-            options = OutputOptions()
+            if kind == "completion" and len(parsed.prompts) > 1:
+                raise InvalidRequest("prompt: a job line holds one prompt", "prompt")
+            options = dataclasses.replace(options, stream=False, include_usage=False)
+        elif options.stream and kind == "completion" and len(parsed.prompts) > 1:
+            raise InvalidParameter("stream: only with a single prompt", "stream")
         if kind == "chat":
-            prompt = self.encoder.encode_chat(with_system_prompt(parsed.messages, self.system_prompt))
+            prompts = [self.encoder.encode_chat(with_system_prompt(parsed.messages, self.system_prompt))]
+            texts = None
         else:
-            prompt = self.encoder.encode(parsed.prompt)
+            prompts = [p if isinstance(p, list) else self.encoder.encode(p) for p in parsed.prompts]
+            texts = (
+                [p if isinstance(p, str) else self.encoder.decode(p) for p in parsed.prompts] if options.echo else None
+            )
         grammar = self.encoder.grammar(parsed.output, parsed.params) if parsed.output else None
-        return PreparedRequest(kind, prompt, parsed.params, parsed.stop, options, parsed.model, grammar, parsed.n)
+        return PreparedRequest(
+            kind, prompts, parsed.params, parsed.stop, options, parsed.model, grammar, parsed.n, texts
+        )
 
 
 def with_system_prompt(messages: list[dict], system_prompt: str | None) -> list[dict]:

@@ -12,13 +12,17 @@ import dataclasses
 import re
 from collections.abc import Mapping
 
-from jaxllama.engine.request import SamplingParams
+from jaxllama.engine.request import MAX_LOGPROBS, SamplingParams
 from jaxllama.errors import InvalidParameter, InvalidRequest
 from jaxllama.text.conversation import validate_messages
 from jaxllama.text.structured import OutputFormat, parse_json_schema
 
 SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams))
-"""The sampling keywords a request (and `LLM.generate`) takes: `SamplingParams`' own fields."""
+"""The sampling keywords `LLM.generate` takes: `SamplingParams`' own fields."""
+
+LOGPROB_FIELDS = ("top_logprobs", "prompt_logprobs")
+"""`SamplingParams` fields that a request body sets through its delivery fields ("logprobs", "top_logprobs",
+"echo": `output_options`), in the shape its kind of answer has."""
 
 ALIASES = {"max_completion_tokens": "max_tokens"}
 """Request fields that set a sampling field under another name (OpenAI's newer name for max_tokens)."""
@@ -29,7 +33,6 @@ BOOLEAN_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if
 
 # OpenAI fields that would change the answer and are not implemented: each with the value that means "off".
 UNSUPPORTED = {
-    "echo": False,
     "suffix": None,
     "tools": None,
     "functions": None,
@@ -42,11 +45,12 @@ expression, a Lark grammar as llguidance reads it); a request may give one."""
 
 @dataclasses.dataclass
 class ParsedBody:
-    """A valid request: the conversation (chat) or the prompt (completion), how to sample, the stop strings."""
+    """A valid request: the conversation (chat) or the prompts (completion: texts or token id lists, one answer
+    each), how to sample, the stop strings."""
 
     kind: str  # "chat" | "completion"
     messages: list[dict] | None
-    prompt: str | None
+    prompts: list[str | list[int]] | None
     params: SamplingParams
     stop: list[str]
     model: str | None = None
@@ -71,22 +75,22 @@ def parse_body(body: dict, kind: str, defaults: SamplingParams, default_stop: li
         if value is not None and value != off and not (off is None and not value):
             allowed = f"only {key}={off!r} is supported" if off is not None else "it is not supported"
             raise InvalidParameter(f"{key}: {allowed}", key)
-    messages = prompt = None
+    messages = prompts = None
     if kind == "chat":
         messages = validate_messages(body.get("messages"))  # ConversationError, an InvalidMessages
     elif kind == "completion":
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]  # a batch of one
-        if not isinstance(prompt, str):
-            got = type(prompt).__name__
-            raise InvalidRequest(f"prompt: must be a string (one per request), got {got}", "prompt")
+        prompts = completion_prompts(body.get("prompt"))
     else:
         raise ValueError(f"kind must be 'chat' or 'completion', not {kind!r}")
-    params = sampling_params(body, defaults)
+    options = output_options(body, kind)
+    params = sampling_params({k: v for k, v in body.items() if k not in LOGPROB_FIELDS}, defaults)
+    params = dataclasses.replace(params, **options.sampling())
+    if params.max_tokens == 0 and not options.echo:
+        key = next((k for k in ("max_tokens", "max_completion_tokens") if body.get(k) == 0), "max_tokens")
+        raise InvalidParameter(f"{key}=0: only with echo (the prompt's log-probabilities)", key)
     stop = stop_strings(body, default_stop)
     model = body.get("model") if isinstance(body.get("model"), str) else None
-    return ParsedBody(kind, messages, prompt, params, stop, model, output_format(body), samples(body))
+    return ParsedBody(kind, messages, prompts, params, stop, model, output_format(body), samples(body))
 
 
 MAX_N = 128
@@ -135,6 +139,22 @@ def output_format(values: Mapping) -> OutputFormat | None:
     return OutputFormat("json_schema", parse_json_schema(spec["schema"], "response_format.json_schema.schema"), key)
 
 
+def completion_prompts(prompt) -> list[str | list[int]]:
+    """A completion's "prompt" as a list of prompts, as OpenAI reads it: a string, a list of token ids, or a list
+    of either (one answer each); raises InvalidRequest."""
+    if isinstance(prompt, str) or _token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p) for p in prompt):
+        return list(prompt)
+    got = "an empty list" if prompt == [] else type(prompt).__name__
+    message = f"prompt: must be a string, a list of token ids, or a non-empty list of either, got {got}"
+    raise InvalidRequest(message, "prompt")
+
+
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+
+
 def lone_surrogate(value: object) -> tuple[str, str] | None:
     """The first string of a JSON value (a key or a value) holding a lone surrogate, which JSON's "\\udc00" escape
     reads into a str that no tokenizer nor UTF-8 output takes: (its path, e.g. "messages[0].content", the
@@ -173,7 +193,7 @@ def sampling_params(values: Mapping, defaults: SamplingParams) -> SamplingParams
         overrides[field], named[field] = value, key
     try:
         return dataclasses.replace(defaults, **overrides)
-    except InvalidParameter as e:  # "max_tokens=0: must be a positive integer"
+    except InvalidParameter as e:  # "max_tokens=-1: must be an integer >= 0"
         key = named.get(e.param, e.param)
         if key == e.param:
             raise
@@ -195,20 +215,25 @@ def stop_strings(body: dict, default_stop: list[str] = ()) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class OutputOptions:
-    """How the answer is delivered: streamed (with a usage chunk at the end), with log-probabilities."""
+    """How the answer is delivered: streamed (with a usage chunk at the end), with log-probabilities (and
+    `top_logprobs` alternatives at each token), a completion's prompt `echo`ed before it (and with `logprobs`, the
+    prompt's tokens' log-probabilities too)."""
 
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    echo: bool = False
 
-
-NO_ALTERNATIVES = "only 0 is supported (the sampled tokens' log-probabilities, no alternatives)"
+    def sampling(self) -> dict:
+        """The `SamplingParams` fields (`LOGPROB_FIELDS`) that computing these log-probabilities needs."""
+        top = self.top_logprobs if self.logprobs else 0
+        return dict(top_logprobs=top, prompt_logprobs=top if self.echo and self.logprobs else None)
 
 
 def output_options(body: dict, kind: str) -> OutputOptions:
-    """The body's "stream", "stream_options" and log-probability fields; raises InvalidParameter. Only the
-    sampled tokens' log-probabilities are computed: asking for alternatives (chat "top_logprobs" > 0,
-    completion "logprobs" > 0) is refused."""
+    """The body's "stream", "stream_options", "echo" and log-probability fields (chat: "logprobs" true and
+    "top_logprobs" N; completion: "logprobs" N), N alternatives at most MAX_LOGPROBS; raises InvalidParameter."""
     stream = _flag(body, "stream")
     include_usage = False
     options = body.get("stream_options")
@@ -218,21 +243,24 @@ def output_options(body: dict, kind: str) -> OutputOptions:
         if not stream:
             raise InvalidParameter("stream_options: only allowed with stream=true", "stream_options")
         include_usage = _flag(options, "include_usage", "stream_options.include_usage")
+    echo = False
     if kind == "chat":
         logprobs = _flag(body, "logprobs")
-        top = body.get("top_logprobs")
-        if top is not None and (not _is_int(top) or top < 0):
-            raise InvalidParameter("top_logprobs: must be an integer >= 0", "top_logprobs")
-        if top:
-            raise InvalidParameter(f"top_logprobs: {NO_ALTERNATIVES}", "top_logprobs")
+        top = _alternatives(body, "top_logprobs")
+        if top and not logprobs:
+            raise InvalidParameter("top_logprobs: needs logprobs=true", "top_logprobs")
     else:
-        count = body.get("logprobs")
-        if count is not None and (not _is_int(count) or count < 0):
-            raise InvalidParameter("logprobs: must be an integer >= 0", "logprobs")
-        if count:
-            raise InvalidParameter(f"logprobs: {NO_ALTERNATIVES}", "logprobs")
-        logprobs = count == 0
-    return OutputOptions(stream, include_usage, logprobs)
+        top = _alternatives(body, "logprobs")
+        logprobs = body.get("logprobs") is not None
+        echo = _flag(body, "echo")
+    return OutputOptions(stream, include_usage, logprobs, top, echo)
+
+
+def _alternatives(body: dict, key: str) -> int:
+    count = body.get(key)
+    if count is not None and (not _is_int(count) or not 0 <= count <= MAX_LOGPROBS):
+        raise InvalidParameter(f"{key}: must be an integer from 0 to {MAX_LOGPROBS}", key)
+    return count or 0
 
 
 def _flag(body: dict, key: str, name: str | None = None) -> bool:

@@ -32,28 +32,35 @@ def completion(
     *,
     id: str | None = None,
     logprobs: dict | list[dict | None] | None = None,
+    texts: list[str] | None = None,
+    total: dict | None = None,
 ) -> dict:
     """The whole answer: a `chat.completion` (kind "chat") or a `text_completion` (kind "completion"), with one
-    choice per result (a request's n samples, in order; `logprobs` then one per result)."""
+    choice per result (a request's n samples, in order; `logprobs` then one per result). `texts`: each choice's
+    text, where it is not its result's (an echoed prompt before it); `total`: the answer's usage, where it is not
+    that of one prompt's samples (several prompts)."""
     results = result if isinstance(result, list) else [result]
     logprobs = logprobs if isinstance(logprobs, list) else [logprobs] * len(results)
+    texts = texts or [r.text for r in results]
     return {
         "id": id or new_id(kind),
         "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [_choice(kind, i, r, lp) for i, (r, lp) in enumerate(zip(results, logprobs, strict=True))],
-        "usage": usage(results),
+        "choices": [
+            _choice(kind, i, r, lp, text) for i, (r, lp, text) in enumerate(zip(results, logprobs, texts, strict=True))
+        ],
+        "usage": total or usage(results),
         "timings": timings(results[0]),
     }
 
 
-def _choice(kind: str, index: int, result: Result, logprobs: dict | None) -> dict:
+def _choice(kind: str, index: int, result: Result, logprobs: dict | None, text: str) -> dict:
     choice = {"index": index}
     if kind == "chat":
-        choice["message"] = {"role": "assistant", "content": result.text}
+        choice["message"] = {"role": "assistant", "content": text}
     else:
-        choice["text"] = result.text
+        choice["text"] = text
     choice.update(logprobs=logprobs, finish_reason=result.finish_reason, stop_reason=result.stop_reason)
     return choice
 
@@ -131,25 +138,6 @@ answered as, whole or streamed: JSON has no NaN or infinity, and vLLM answers th
 def finite_logprobs(logprobs: list[float]) -> list[float]:
     """`logprobs` with every value that is not finite replaced by `LOGPROB_FLOOR`."""
     return [float(lp) if math.isfinite(lp) else LOGPROB_FLOOR for lp in logprobs]
-
-
-def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
-    """Chat `logprobs` of sampled tokens (given as text): their log-probabilities, no alternatives."""
-    return {
-        "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-            for t, lp in zip(tokens, finite_logprobs(logprobs), strict=True)
-        ]
-    }
-
-
-def text_logprobs(tokens: list[str], logprobs: list[float], offset: int = 0) -> dict:
-    """Completion `logprobs` of sampled tokens (given as text), starting at character `offset` of the answer."""
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
-    return {"tokens": tokens, "token_logprobs": finite_logprobs(logprobs), "top_logprobs": None, "text_offset": offsets}
 
 
 def error(message: str, code: str | None = None, param: str | None = None, type: str = "invalid_request_error") -> dict:

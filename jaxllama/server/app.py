@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from typing import Annotated, Any
@@ -32,7 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxllama.engine.request import SamplingParams
 from jaxllama.errors import ClientClosed, EngineUnavailable, InvalidRequest, QueueFull
 from jaxllama.generation import Event, Result
-from jaxllama.protocol import errors, responses
+from jaxllama.protocol import answers, errors, responses
+from jaxllama.protocol.logprobs import piece_logprobs
 from jaxllama.protocol.pipeline import PreparedRequest, RequestPipeline
 from jaxllama.server.metrics import Metrics
 from jaxllama.server.worker import EngineWorker, RequestStream
@@ -78,6 +80,9 @@ def create_app(
     app.post(ENDPOINTS["chat"])(handlers.chat_completions)
     app.post(ENDPOINTS["completion"])(handlers.completions)
     app.get("/v1/models")(handlers.models)
+    app.post("/tokenize")(handlers.tokenize)
+    app.post("/detokenize")(handlers.detokenize)
+    app.get("/tokenizer_info")(handlers.tokenizer_info)
     app.get("/health")(handlers.health)
     app.get("/metrics")(handlers.prometheus)
     _install_error_handlers(app)
@@ -105,6 +110,37 @@ class OpenAIHandlers:
         card["max_model_len"] = self.llm.engine.max_context
         return {"object": "list", "data": [card]}
 
+    async def tokenize(self, body: JSONObject) -> JSONResponse:
+        """vLLM's /tokenize: {"prompt", "add_special_tokens" (BOS as the model adds it; default true)} -> {"tokens",
+        "count", "max_model_len"}. With /detokenize and /tokenizer_info, what lm-evaluation-harness's "remote"
+        tokenizer asks for."""
+        prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
+        if not isinstance(prompt, str) or not isinstance(special, bool):
+            return _refusal(InvalidRequest("prompt: must be a string; add_special_tokens: true or false"), "completion")
+        tokens = self.llm.encode(prompt, add_bos=None if special else False)
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": self.llm.engine.max_context})
+
+    async def detokenize(self, body: JSONObject) -> JSONResponse:
+        """vLLM's /detokenize: {"tokens"} -> {"prompt"}."""
+        tokens = body.get("tokens")
+        try:
+            if not isinstance(tokens, list):
+                raise InvalidRequest("tokens: must be a list of token ids", "tokens")
+            return JSONResponse({"prompt": self.llm.decode(tokens)})
+        except ValueError as e:
+            return _refusal(e, "completion")
+
+    async def tokenizer_info(self) -> dict:
+        """The special tokens and the chat template (vLLM's /tokenizer_info)."""
+        tokenizer = self.llm.tokenizer
+        return {
+            "bos_token": tokenizer.bos_token,
+            "eos_token": tokenizer.eos_token,
+            "pad_token": None,
+            "chat_template": self.llm.template.source,
+            "model_max_length": self.llm.engine.max_context,
+        }
+
     async def health(self) -> JSONResponse:
         """200 while the engine thread runs, else 503 with the reason."""
         worker = self.worker
@@ -120,28 +156,26 @@ class OpenAIHandlers:
 
     async def completion(self, request: Request, body: dict, kind: str) -> Response:
         """A chat or text completion: prepared, queued on the engine, then answered whole or streamed."""
+        streams: list[RequestStream] = []
         try:
             # Off the event loop: templating and tokenizing a body of megabytes takes seconds, which would stall
             # every other connection (and /health) meanwhile.
             prepared = await asyncio.to_thread(self.pipeline.prepare, body, kind)
-            stream = RequestStream(
-                self.worker,
-                prepared.prompt,
-                prepared.params,
-                prepared.stop,
-                prepared.options.logprobs,
-                prepared.grammar,
-                prepared.n,
-            )
+            for prompt in prepared.prompts:  # several prompts: a request each, answered as one
+                args = (prompt, prepared.params, prepared.stop, prepared.options.logprobs, prepared.grammar)
+                streams.append(RequestStream(self.worker, *args, prepared.n))
             if prepared.options.stream:
-                first = await _unless_disconnected(request, stream.next(), stream)
+                first = await _unless_disconnected(request, streams[0].next(), streams)
             else:
-                results = await _unless_disconnected(request, _collect(stream, prepared.n), stream)
+                collected = asyncio.gather(*(_collect(stream, prepared.n) for stream in streams))
+                results = await _unless_disconnected(request, collected, streams)
         except REFUSALS as e:
+            for stream in streams:  # the others of several prompts
+                stream.cancel()
             response = _refusal(e, kind)
         else:
             if prepared.options.stream:
-                events = _sse(stream, first, prepared, self.name, self.llm.tokenizer)
+                events = _sse(streams[0], first, prepared, self.name, self.llm.tokenizer)
                 headers = {"Cache-Control": "no-cache"}
                 response = StreamingResponse(events, media_type="text/event-stream", headers=headers)
             else:
@@ -150,11 +184,7 @@ class OpenAIHandlers:
         return response
 
     def _answer(self, prepared: PreparedRequest, results: list[Result]) -> dict:
-        logprobs = [
-            None if r.logprobs is None else _token_logprobs(prepared.kind, self.llm.tokenizer, r.token_ids, r.logprobs)
-            for r in results
-        ]
-        return responses.completion(prepared.kind, results, self.name, logprobs=logprobs)
+        return answers.answer(dataclasses.replace(prepared, model=None), results, self.name, self.llm.tokenizer)
 
 
 def _refusal(error: Exception, kind: str) -> JSONResponse:
@@ -164,8 +194,8 @@ def _refusal(error: Exception, kind: str) -> JSONResponse:
     return JSONResponse(failure.body(), status_code=failure.status, headers=headers)
 
 
-async def _unless_disconnected(request: Request, work, stream: RequestStream):
-    """Await `work` unless the client goes away first: then cancel the request and raise ClientClosed."""
+async def _unless_disconnected(request: Request, work, streams: list[RequestStream]):
+    """Await `work` unless the client goes away first: then cancel the requests and raise ClientClosed."""
     disconnected = asyncio.ensure_future(_disconnected(request))
     task = asyncio.ensure_future(work)
     try:
@@ -174,7 +204,8 @@ async def _unless_disconnected(request: Request, work, stream: RequestStream):
         disconnected.cancel()
         if not task.done():  # the client went away, or the server is shutting down
             task.cancel()
-            stream.cancel()
+            for stream in streams:
+                stream.cancel()
     if not task.done():  # cancelled just now: the client is gone
         raise ClientClosed("the client closed the connection")
     return task.result()
@@ -197,14 +228,6 @@ async def _collect(stream: RequestStream, n: int) -> list[Result]:
             return results
 
 
-def _token_logprobs(kind: str, tokenizer, token_ids, logprobs: list[float], offset: int = 0) -> dict:
-    """The OpenAI logprobs object of sampled tokens (each token's text decoded on its own)."""
-    texts = [tokenizer.decode([t]) for t in token_ids]
-    if kind == "chat":
-        return responses.chat_logprobs(texts, logprobs)
-    return responses.text_logprobs(texts, logprobs, offset)
-
-
 async def _sse(stream: RequestStream, first: Event, prepared: PreparedRequest, model: str, tokenizer):
     """The server-sent events of a streamed answer: chunks, a finishing chunk, the usage chunk if asked, [DONE]."""
     kind, usage = prepared.kind, prepared.options.include_usage
@@ -221,13 +244,15 @@ async def _sse(stream: RequestStream, first: Event, prepared: PreparedRequest, m
             for index in range(prepared.n):
                 yield chunk("", role=True, index=index)
         event, offsets, results = first, [0] * prepared.n, [None] * prepared.n
+        echoes = [prepared.texts[0] if prepared.options.echo else ""] * prepared.n  # each choice's prompt first
         while True:
-            i, logprobs = event.index, None
-            if event.logprobs is not None and event.token_ids:
-                logprobs = _token_logprobs(kind, tokenizer, event.token_ids, event.logprobs, offsets[i])
-            if event.delta or logprobs:
-                yield chunk(event.delta, logprobs=logprobs, index=i)
-            offsets[i] += len(event.delta)
+            i, echo = event.index, echoes[event.index]
+            logprobs = piece_logprobs(kind, tokenizer, prepared.options, prepared.prompt, event, offsets[i], echo)
+            text, echoes[i] = echo + event.delta, ""
+            if text or logprobs:
+                yield chunk(text, logprobs=logprobs, index=i)
+            if logprobs and kind != "chat" and logprobs["tokens"]:  # offsets count the tokens' texts, as whole
+                offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             if event.result is not None:
                 r = results[i] = event.result
                 end = None if kind == "chat" else ""

@@ -3,7 +3,6 @@ as converted by default (its Q4_1 weights requantized to Q8_0 blocks), they stay
 
 import jax
 import numpy as np
-import pytest
 import torch
 
 from jaxllama.core.checkpoint import load_checkpoint
@@ -16,21 +15,12 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def transformers_model(smollm2_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
-    ).eval()
-
-
 def _log_softmax(x):
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def test_logits_match_transformers(smollm2_float32_checkpoint, transformers_model):
+def test_logits_match_transformers(smollm2_float32_checkpoint, transformers_smollm2):
     config, params = load_checkpoint(smollm2_float32_checkpoint)
     assert (config.n_layers, config.dim, config.n_heads, config.n_kv_heads, config.tie_embeddings) == (
         30,
@@ -43,12 +33,12 @@ def test_logits_match_transformers(smollm2_float32_checkpoint, transformers_mode
     for prompt in PROMPTS:
         ours = np.asarray(f(params, config, np.array([prompt])))[0]
         with torch.no_grad():
-            ref = transformers_model(torch.tensor([prompt])).logits[0].numpy()
+            ref = transformers_smollm2(torch.tensor([prompt])).logits[0].numpy()
         np.testing.assert_allclose(ours, ref, atol=2e-3, rtol=1e-4)
         assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
-def test_the_default_conversion_stays_close_to_transformers(smollm2_checkpoint, transformers_model):
+def test_the_default_conversion_stays_close_to_transformers(smollm2_checkpoint, transformers_smollm2):
     """Q4_1 -> Q8_0 moves each weight by ~0.6% of its norm: the next-token distributions stay within a KL divergence
     of 0.05 nats of the file's own (requantizing to Q4_0 instead would add as much error again as Q4_1 has)."""
     config, params = load_checkpoint(smollm2_checkpoint)
@@ -57,7 +47,7 @@ def test_the_default_conversion_stays_close_to_transformers(smollm2_checkpoint, 
     for prompt in PROMPTS:
         ours = _log_softmax(np.asarray(f(params, config, np.array([prompt])))[0])
         with torch.no_grad():
-            ref = _log_softmax(transformers_model(torch.tensor([prompt])).logits[0].numpy())
+            ref = _log_softmax(transformers_smollm2(torch.tensor([prompt])).logits[0].numpy())
         kl = (np.exp(ref) * (ref - ours)).sum(-1)
         assert kl.max() < 0.05
         assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.85
