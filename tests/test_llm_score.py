@@ -13,6 +13,7 @@ import torch
 from jaxllama import LLM
 from jaxllama.batch.runner import run_job
 from jaxllama.engine.request import SamplingParams
+from tests.server.conftest import CONTEXT, SLOTS
 
 TEXTS = [
     "The capital of France is Paris, and the capital of Italy is Rome.",
@@ -43,7 +44,8 @@ def test_smollm2_prompt_logprobs_equal_transformers(smollm2_float32_checkpoint, 
 
 @pytest.fixture(scope="module")
 def llm(tiny_chat_checkpoint):
-    return LLM.load(tiny_chat_checkpoint, max_slots=4, max_context=64, compilation_cache=False)
+    # The server tests' shape: the same compiled programs.
+    return LLM.load(tiny_chat_checkpoint, max_slots=SLOTS, max_context=CONTEXT, compilation_cache=False)
 
 
 def test_score_pairs_and_texts(llm):

@@ -211,6 +211,9 @@ class Characters:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.encode("".join(m["role"][0] + m["content"] for m in messages))
 
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
 
 def test_the_pipeline_prepares_a_request():
     pipeline = RequestPipeline(Characters(), DEFAULTS, ("END",))
@@ -223,21 +226,20 @@ def test_the_pipeline_prepares_a_request():
     assert chat.prompt == Characters().encode("uhi") and chat.stop == [] and chat.params == DEFAULTS
 
 
-def test_a_job_pipeline_adds_the_system_prompt_and_refuses_what_a_record_cannot_carry():
-    """Job lines are answered whole, in records without log-probabilities: streaming them means nothing, but a line
-    that asks for log-probabilities is refused rather than answered without them."""
+def test_a_job_pipeline_adds_the_system_prompt_and_answers_one_prompt_whole():
+    """Job lines are answered whole, a record each: streaming them means nothing, and a line of several prompts is
+    refused; log-probabilities and token-id prompts are taken as the server takes them."""
     pipeline = RequestPipeline(Characters(), DEFAULTS, system_prompt="S", output_options=False)
     request = pipeline.prepare({"messages": HI, "stream": True}, "chat")
     assert request.prompt == Characters().encode("sSuhi") and not request.options.stream
     system = [{"role": "system", "content": "T"}, *HI]
     assert pipeline.prepare({"messages": system}, "chat").prompt == Characters().encode("sTuhi")
-    for body, kind, field in [
-        ({"messages": HI, "logprobs": True}, "chat", "logprobs"),
-        ({"prompt": "x", "logprobs": 0}, "completion", "logprobs"),
-    ]:
-        with pytest.raises(E.InvalidParameter) as e:
-            pipeline.prepare(body, kind)
-        assert e.value.param == field
+    echo = pipeline.prepare({"prompt": [104, 105], "echo": True, "logprobs": 1, "max_tokens": 0}, "completion")
+    assert echo.prompts == [[104, 105]] and echo.texts == ["hi"] and echo.options.logprobs
+    assert (echo.params.prompt_logprobs, echo.params.top_logprobs, echo.params.max_tokens) == (1, 1, 0)
+    with pytest.raises(E.InvalidRequest) as e:
+        pipeline.prepare({"prompt": ["a", "b"]}, "completion")
+    assert e.value.param == "prompt"
     with pytest.raises(E.InvalidParameter):  # checked as the server checks it
         pipeline.prepare({"messages": HI, "stream": "yes"}, "chat")
 

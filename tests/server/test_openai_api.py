@@ -185,7 +185,7 @@ def test_huge_limits_mean_the_context_and_the_vocabulary(live):
         ({"repetition_penalty": 0}, "repetition_penalty", "invalid_parameter"),
         ({"max_completion_tokens": True}, "max_completion_tokens", "invalid_parameter"),
         ({"stop": [""]}, "stop", "invalid_parameter"),
-        ({"top_logprobs": 2, "logprobs": True}, "top_logprobs", "invalid_parameter"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "invalid_parameter"),
         ({"messages": [{"role": "robot", "content": "beep"}]}, "messages", "invalid_messages"),
         ({"messages": []}, "messages", "invalid_messages"),
         ({"messages": [{"role": "user", "content": "the " * 300}]}, "messages", "context_length_exceeded"),
@@ -205,13 +205,13 @@ def test_invalid_completion_requests_are_400(live):
         client.completions.create(model=MODEL_NAME, prompt="the " * 300, max_tokens=4, stream=True)
     assert e.value.code == "context_length_exceeded" and "context limit" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL_NAME, prompt=PROMPT, logprobs=3)
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, logprobs=21)
     assert e.value.param == "logprobs"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL_NAME, prompt=PROMPT, echo=True)
-    assert e.value.param == "echo"
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0)
+    assert e.value.param == "max_tokens"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL_NAME, prompt=[1, 2, 3])
+        client.completions.create(model=MODEL_NAME, prompt=[])
     assert e.value.param == "prompt"
 
 
@@ -238,7 +238,7 @@ BAD_BODIES = [
     ("chat", {"messages": [{"role": "user", "content": "the " * 300}]}),
     ("chat", {"messages": CHAT, "stop_token_ids": [10**12]}),
     ("completion", {"prompt": "the " * 300}),
-    ("completion", {"prompt": [1, 2, 3]}),
+    ("completion", {"prompt": [[1, 2], []]}),
     ("completion", {"prompt": PROMPT, "max_tokens": 0}),
 ]
 
