@@ -3,7 +3,9 @@ records alike: chat's `logprobs.content` (each token with its `top_logprobs` alt
 legacy object (`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob}, `text_offset`), which with `echo`
 starts with the prompt's tokens, the first of them null (nothing comes before it).
 
-Each token's text is that token decoded on its own.
+Each token's text is that token decoded on its own; `text_offset` is where each token starts, counting the texts of
+the tokens before it (an echoed prompt's from its start, the completion's from the end of the prompt's text), whole
+or streamed alike (as vLLM counts them: where a character's bytes are cut between tokens, not the answer's text).
 """
 
 from __future__ import annotations
@@ -19,26 +21,35 @@ if TYPE_CHECKING:
     from jaxllama.text.tokenizer import Tokenizer
 
 
-def answer_logprobs(kind: str, tokenizer: Tokenizer, options: OutputOptions, prompt: list[int], result: Result):
-    """The `logprobs` of a whole answer (None unless asked)."""
+def answer_logprobs(
+    kind: str, tokenizer: Tokenizer, options: OutputOptions, prompt: list[int], result: Result, echoed: str = ""
+):
+    """The `logprobs` of a whole answer (None unless asked); `echoed`: the prompt's text answered before it."""
     if not options.logprobs or result.logprobs is None:
         return None
-    return _logprobs(kind, tokenizer, options, prompt, result.prompt_logprobs, result, 0)
+    return _logprobs(kind, tokenizer, options, prompt, result.prompt_logprobs, result, 0, echoed)
 
 
 def piece_logprobs(
-    kind: str, tokenizer: Tokenizer, options: OutputOptions, prompt: list[int], event: Event, offset: int
+    kind: str,
+    tokenizer: Tokenizer,
+    options: OutputOptions,
+    prompt: list[int],
+    event: Event,
+    offset: int,
+    echoed: str = "",
 ):
     """The `logprobs` of a streamed piece (None unless asked or when it has no tokens): its tokens, and on the
-    first piece the echoed prompt's. `offset`: the characters answered before it."""
+    first piece the echoed prompt's (whose text, `echoed`, comes first). `offset`: where the piece's first token
+    starts (0, then the last piece's last offset plus its token's length)."""
     if not options.logprobs or event.logprobs is None:
         return None
     if not event.token_ids and not (options.echo and event.prompt_logprobs is not None):
         return None
-    return _logprobs(kind, tokenizer, options, prompt, event.prompt_logprobs, event, offset)
+    return _logprobs(kind, tokenizer, options, prompt, event.prompt_logprobs, event, offset, echoed)
 
 
-def _logprobs(kind, tokenizer, options: OutputOptions, prompt, prompt_logprobs, answer, offset: int) -> dict:
+def _logprobs(kind, tokenizer, options: OutputOptions, prompt, prompt_logprobs, answer, offset: int, echoed: str):
     def text(t: int) -> str:
         return tokenizer.decode([t])
 
@@ -61,20 +72,27 @@ def _logprobs(kind, tokenizer, options: OutputOptions, prompt, prompt_logprobs, 
         }
     token_logprobs: list[float | None] = finite_logprobs(answer.logprobs)
     tops = [_alternatives(text, alternatives) for alternatives in top]
+    offsets = _offsets(tokens, offset + len(echoed))
     if options.echo and prompt_logprobs is not None:
-        tokens = [text(t) for t in prompt] + tokens
+        echoed_tokens = [text(t) for t in prompt]
+        tokens = echoed_tokens + tokens
         token_logprobs = [None, *finite_logprobs([lp for lp, _ in prompt_logprobs]), *token_logprobs]
         tops = [None, *(_alternatives(text, alternatives) for _, alternatives in prompt_logprobs), *tops]
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
+        offsets = _offsets(echoed_tokens, offset) + offsets
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": tops if options.top_logprobs else None,
         "text_offset": offsets,
     }
+
+
+def _offsets(tokens: list[str], start: int) -> list[int]:
+    out = []
+    for t in tokens:
+        out.append(start)
+        start += len(t)
+    return out
 
 
 def _split(top: TopLogprobs) -> tuple[list[int], list[float]]:
