@@ -26,7 +26,7 @@ def success(line: JobLine, request: PreparedRequest, result: Result | list[Resul
         choices = [{k: v for k, v in c.items() if keep(k)} for c in body["choices"]]
         return {"id": line.id, "choices": choices, "usage": body["usage"], "timings": body["timings"]}
     record = {"id": line.id}
-    choice = answers.answer(request, [result], model_name, tokenizer)["choices"][0]
+    choice = answers.answer(request, [[result]], model_name, tokenizer)["choices"][0]
     if request.kind == "chat":
         record["message"] = choice["message"]
     else:

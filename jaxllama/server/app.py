@@ -183,7 +183,7 @@ class OpenAIHandlers:
         self.metrics.requests.labels(ENDPOINTS[kind], str(response.status_code)).inc()
         return response
 
-    def _answer(self, prepared: PreparedRequest, results: list[Result]) -> dict:
+    def _answer(self, prepared: PreparedRequest, results: list[list[Result]]) -> dict:
         return answers.answer(dataclasses.replace(prepared, model=None), results, self.name, self.llm.tokenizer)
 
 
