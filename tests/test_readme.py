@@ -25,3 +25,5 @@ def test_python_api_examples(tiny_chat_checkpoint, monkeypatch, capsys):
     assert isinstance(llm, LLM) and llm.path == tiny_chat_checkpoint
     assert logits.shape == (2, 3, llm.config.vocab_size) and np.isnan(logits[1, 2]).all()
     assert capsys.readouterr().out  # the streamed story
+    scores = namespace["scores"]
+    assert [len(s.token_ids) for s in scores] == [len(llm.encode(c, add_bos=False)) for c in (" Paris", " Rome")]
