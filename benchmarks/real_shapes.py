@@ -8,7 +8,8 @@ For each GGUF (random-weight ones of the Llama 3.2 1B / 3B and 3.1 8B shapes wil
 shape do not depend on its weights' values):
 - convert it (`python -m converters.llama GGUF CKPT CONVERT_ARGS`): seconds, peak RSS, checkpoint bytes;
 - `jaxllama run JOB --model CKPT RUN_ARGS` twice (cold: compilation cache empty; warm), peak RSS and output tok/s;
-- load: `jaxllama run` of the job's first line with max_tokens 1 (warm): the whole process, start to exit;
+- load: `jaxllama run` of the job's first line with max_tokens 1, its programs compiled by a first such run: the
+  whole process, start to exit;
 - one request at a time: the first N lines with `--max-batch 1`;
 - llama.cpp: `llama-server -np 32` on the whole job (its requests sent at once) and `-np 1` on the first N lines
   (`benchmarks.peers llamaserver`); load: start to health check passed.
@@ -80,7 +81,9 @@ def shape(job: Path, gguf: Path, server: str, one_at_a_time: int, run_args: list
         convert_s, convert_peak = _timed(cmd, env, stdout=subprocess.DEVNULL)
         cold = _jaxllama(job, checkpoint, work, env, run_args)
         warm = _jaxllama(job, checkpoint, work, env, run_args)
-        load = _jaxllama(_first_lines(job, 1, work, max_tokens=1), checkpoint, work, env, run_args)
+        one_token = _first_lines(job, 1, work, max_tokens=1)
+        _jaxllama(one_token, checkpoint, work, env, run_args)  # compiles its own shapes' programs
+        load = _jaxllama(one_token, checkpoint, work, env, run_args)
         alone_job = _first_lines(job, one_at_a_time, work)
         alone = _jaxllama(alone_job, checkpoint, work, env, [*run_args, "--max-batch", "1"])
         batch_peer = _server(job, gguf, server, 32)
