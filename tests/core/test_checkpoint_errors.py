@@ -100,6 +100,10 @@ def test_llm_load_trusts_no_size_the_stored_arrays_contradict(copy, fields, mess
         ({"n_kv_heads": 4}, r"layers_0/attention/wk is stored with shape \(2, 8, 64\), the config gives \(4, 8, 64\)"),
         ({"tie_embeddings": True}, r"params: holds output, which the model of .* does not have \(tie_embeddings"),
         ({"dtype": "bfloat16"}, r"dtype is bfloat16, but .*params stores \S+ as float32"),
+        ({"stored_as": {"layers_1/mlp/w2": "q8_0"}}, r"params: layers_1/mlp/w2/quants is missing"),
+        ({"stored_as": {"layers_1/mlp/w2": "bfloat16"}}, r"stored_as gives layers_1/mlp/w2 as bfloat16, but"),
+        ({"stored_as": {"norm/scale": "q4_0"}}, r"config.json: stored_as: norm/scale cannot be stored as blocks"),
+        ({"stored_as": {"layers_9/mlp/w2": "q4_1"}}, r"config.json: stored_as: layers_9/mlp/w2: 'q4_1' is not one of"),
     ],
 )
 def test_a_config_that_does_not_match_the_stored_arrays_is_refused(copy, fields, message):
