@@ -148,8 +148,9 @@ def _restore_part(path: Path, stored: dict, names: list[str]) -> dict:
 
 
 def _uncompressed():
-    """Orbax's context for writing arrays as they are: zstd (its default) saves little on weights (nothing on
-    quantized ones, ~15% on bfloat16 ones) and costs its decompression at every load."""
+    """Orbax's context for writing arrays as they are: zstd (its default) saves nothing on quantized weights and a
+    third on bfloat16 ones (random ones of the Llama-3.2-1B shape: 2.1 GB -> 1.4 GB), but costs its compression at
+    every conversion and its decompression at every load (that shape's conversion took 2.7x as long with it)."""
     context = _orbax().Context()
     context.array.saving.use_compression = False
     return context
