@@ -103,8 +103,8 @@ def test_bfloat16_runs_in_bfloat16_close_to_transformers(tmp_path):
     assert np.abs(ours - exact).max() < 2 * np.abs(ref - exact).max() + 1e-3 * scale
 
 
-@pytest.mark.parametrize("format", ["q8_0", "q4_0"])
-def test_quantized_checkpoints_shard_and_match_their_dequantized_weights(hf_folder, tmp_path, format):
+@pytest.mark.parametrize("format,spec", [("q8_0", "data=2,model=4"), ("q4_0", "data=1,model=2")])
+def test_quantized_checkpoints_shard_and_match_their_dequantized_weights(hf_folder, tmp_path, format, spec):
     ckpt = convert(hf_folder, tmp_path / "ckpt", quantize=format, progress=False)
     config, params = load_checkpoint(ckpt)
     assert all(isinstance(params["layers_0"]["mlp"][k], Blocks) for k in ("w1", "w2", "w3"))
@@ -112,16 +112,15 @@ def test_quantized_checkpoints_shard_and_match_their_dequantized_weights(hf_fold
     ours = np.asarray(logits(params, config, TOKENS))
     _, widened = load_checkpoint(ckpt, dtype="float32")  # gguf's dequantization, through the float32 path
     np.testing.assert_allclose(ours, np.asarray(logits(widened, config.with_dtype("float32"), TOKENS)), atol=1e-4)
-    for spec in ("data=1,model=2", "data=2,model=4"):
-        mesh = make_mesh(config, spec, devices=jax.devices()[: 2 if spec.endswith("2") else 8])
-        _, sharded = load_checkpoint(ckpt, mesh=mesh)
-        # wo's 64 inputs split over 2 devices are whole blocks, over 4 not; w2's 96 over 2 are not.
-        wo = sharded["layers_0"]["attention"]["wo"]
-        assert wo.quants.sharding.spec[-1] == ("model" if mesh.shape["model"] == 2 else None)
-        assert sharded["layers_0"]["mlp"]["w2"].quants.sharding.spec[-1] is None
-        assert sharded["layers_0"]["mlp"]["w1"].quants.sharding.spec[0] == "model"  # its out axis, as a weight's
-        with mesh:
-            np.testing.assert_allclose(np.asarray(logits(sharded, config, TOKENS)), ours, atol=1e-4)
+    mesh = make_mesh(config, spec, devices=jax.devices()[: 2 if spec.endswith("2") else 8])
+    _, sharded = load_checkpoint(ckpt, mesh=mesh)
+    # wo's 64 inputs split over 2 devices are whole blocks, over 4 not; w2's 96 over 2 are not.
+    wo = sharded["layers_0"]["attention"]["wo"]
+    assert wo.quants.sharding.spec[-1] == ("model" if mesh.shape["model"] == 2 else None)
+    assert sharded["layers_0"]["mlp"]["w2"].quants.sharding.spec[-1] is None
+    assert sharded["layers_0"]["mlp"]["w1"].quants.sharding.spec[0] == "model"  # its out axis, as a weight's
+    with mesh:
+        np.testing.assert_allclose(np.asarray(logits(sharded, config, TOKENS)), ours, atol=1e-4)
 
 
 def test_llm_on_xla_holds_the_blocks_it_restored(tiny_chat_checkpoint, tmp_path, monkeypatch):
