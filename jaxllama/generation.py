@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 
 from jaxllama.engine.request import Request, SamplingParams, Timings, TopLogprobs
 from jaxllama.engine.scheduler import Scheduler
+from jaxllama.errors import InvalidParameter
 from jaxllama.text.stops import StopMatcher
 from jaxllama.text.structured import Grammar
 from jaxllama.text.tokenizer import Tokenizer
@@ -155,6 +156,10 @@ class Generation:
             raise ValueError(f"request id {id!r} is already running")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n={n!r}: must be a positive integer")
+        if grammar is not None and params.min_tokens:
+            raise InvalidParameter(
+                "min_tokens: not with structured output, whose grammar decides where it ends", "min_tokens"
+            )
         _Text(self.tokenizer, stop, include_stop)  # validates the stop strings
         requests = []
         for i in range(n):

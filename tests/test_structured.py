@@ -115,6 +115,9 @@ def test_what_cannot_be_honoured_is_refused(tiny):
     with pytest.raises(InvalidParameter) as e:
         tiny.generate("x", logit_bias={"10000000": 1})
     assert e.value.param == "logit_bias"
+    with pytest.raises(InvalidParameter) as e:
+        tiny.generate("x", max_tokens=4, min_tokens=2, guided_regex="[0-9]+")
+    assert e.value.param == "min_tokens"
     with pytest.raises(ValueError):
         tiny.generate("x", n=2, stream=True)
 

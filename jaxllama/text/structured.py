@@ -127,11 +127,6 @@ class Matcher:
     def done(self) -> bool:
         return self._matcher.is_stopped() or self._matcher.is_error()
 
-    @property
-    def accepting(self) -> bool:
-        """The text so far matches the whole grammar."""
-        return self._matcher.is_accepting()
-
 
 def _allowed(mask: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     return (mask.view(np.uint32)[tokens // 32] >> (tokens % 32).astype(np.uint32)) & 1 == 1
