@@ -4,11 +4,13 @@
                                         [--out DIR]
 
 Writes DIR/structured.jsonl (LINES chat lines cycling through 10 JSON schemas, each given as OpenAI's
-`response_format` json_schema, sampled at temperature 0.7 with a seed per line) and DIR/free.jsonl (the same lines
-without `response_format`), runs both with one loaded model (`jaxllama.batch.runner.run_job`, as `jaxllama run`
-does), checks that every structured answer parses and validates against its schema (`jsonschema`), and prints one
-JSON summary: output tokens/s of each job over its wall time less its compile time, the ratio, and the count of
-answers that parse and validate (those cut by max_tokens end with "length" and are counted apart).
+`response_format` json_schema, sampled at temperature 0.7 with a seed per line) and runs it with one loaded model
+(`jaxllama.batch.runner.run_job`, as `jaxllama run` does); checks that every answer parses and validates against its
+schema (`jsonschema`); then writes and runs DIR/free.jsonl, the same lines without `response_format`, each with
+`max_tokens` set to the tokens its structured answer took and `ignore_eos`, so that both jobs generate the same
+number of tokens per line and differ only in the constraint. Prints one JSON summary: each job's output tokens/s
+over its wall time less its compile time, their ratio, and the count of answers that validate (those cut by
+max_tokens end with "length" and are counted apart).
 """
 
 from __future__ import annotations
@@ -73,26 +75,30 @@ SCHEMAS = {
 }
 
 
-def write_jobs(folder: Path, lines: int, max_tokens: int) -> tuple[Path, Path]:
-    """The structured job and the same job without response_format."""
+def structured_job(path: Path, lines: int, max_tokens: int) -> None:
     kinds = list(SCHEMAS)
-    structured, free = [], []
-    for i in range(lines):
-        kind = kinds[i % len(kinds)]
-        line = {
-            "id": f"{i}",
-            "messages": [{"role": "user", "content": f"Invent {kind} (example {i}) and describe it as JSON."}],
-            "max_tokens": max_tokens,
-            "temperature": 0.7,
-            "seed": i,
-        }
-        schema = {"type": "json_schema", "json_schema": {"name": f"s{i % len(kinds)}", "schema": SCHEMAS[kind]}}
-        structured.append({**line, "response_format": schema})
-        free.append(line)
-    paths = folder / "structured.jsonl", folder / "free.jsonl"
-    for path, job in zip(paths, (structured, free), strict=True):
-        path.write_text("".join(json.dumps(line) + "\n" for line in job))
-    return paths
+    with path.open("w") as f:
+        for i in range(lines):
+            kind = kinds[i % len(kinds)]
+            schema = {"type": "json_schema", "json_schema": {"name": f"s{i % len(kinds)}", "schema": SCHEMAS[kind]}}
+            line = {
+                "id": f"{i}",
+                "messages": [{"role": "user", "content": f"Invent {kind} (example {i}) and describe it as JSON."}],
+                "max_tokens": max_tokens,
+                "temperature": 0.7,
+                "seed": i,
+                "response_format": schema,
+            }
+            f.write(json.dumps(line) + "\n")
+
+
+def free_job(path: Path, structured: Path, answers: Path) -> None:
+    """The structured job's lines without response_format, each generating as many tokens as its answer took."""
+    tokens = {r["id"]: r["usage"]["completion_tokens"] for r in map(json.loads, answers.read_text().splitlines())}
+    with path.open("w") as f:
+        for line in map(json.loads, structured.read_text().splitlines()):
+            del line["response_format"]
+            f.write(json.dumps({**line, "max_tokens": max(1, tokens[line["id"]]), "ignore_eos": True}) + "\n")
 
 
 def check(output: Path) -> dict:
@@ -121,12 +127,15 @@ def main(
 ):
     folder = Path(out or tempfile.mkdtemp(prefix="structured-job-"))
     folder.mkdir(parents=True, exist_ok=True)
-    structured, free = write_jobs(folder, lines, max_tokens)
+    structured, free = folder / "structured.jsonl", folder / "free.jsonl"
+    structured_job(structured, lines, max_tokens)
     start = time.perf_counter()
     llm = LLM.load(model, max_slots=max_batch)
     load_s = time.perf_counter() - start
     summary = {"lines": lines, "max_tokens": max_tokens, "max_batch": max_batch, "load_s": round(load_s, 1)}
-    for name, job in (("free", free), ("structured", structured)):
+    for name, job in (("structured", structured), ("free", free)):
+        if name == "free":
+            free_job(free, structured, folder / "structured.out.jsonl")
         _, s = run_job(llm, job, defaults=SamplingParams(), stop=[], overwrite=True, quiet=True)
         run_s = s["wall_s"] - s["compile_s"]
         summary[name] = {
@@ -136,7 +145,8 @@ def main(
             "output_tokens_per_s": round(s["completion_tokens"] / run_s, 1),
             "decode_tokens_per_s": s["decode_tokens_per_s"],
         }
-    summary["structured"] |= check(folder / "structured.out.jsonl")
+        if name == "structured":
+            summary[name] |= check(folder / "structured.out.jsonl")
     ratio = summary["structured"]["output_tokens_per_s"] / summary["free"]["output_tokens_per_s"]
     summary["structured_over_free"] = round(ratio, 3)
     print(json.dumps(summary, indent=1))

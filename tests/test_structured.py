@@ -89,6 +89,7 @@ def test_n_samples_are_reproducible_distinct_and_batch_invariant(tiny):
     first = tiny.generate(prompt, n=4, **sampling)
     assert [r.text for r in first] == [r.text for r in tiny.generate(prompt, n=4, **sampling)]
     assert len({r.text for r in first}) > 1  # each sample draws from its own stream
+    assert all(r.cached_tokens > 0 for r in first)  # the prompt's prefix is computed once for the n samples
     assert first[0].text == tiny.generate(prompt, **sampling).text  # sample 0 keeps the request's seed
     batched = tiny.generate([prompt, "hello there", prompt], n=4, **sampling)
     assert [r.text for r in batched[0]] == [r.text for r in first] == [r.text for r in batched[2]]
