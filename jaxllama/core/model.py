@@ -194,7 +194,7 @@ def llama(params, c: ModelConfig, tokens, positions, cache: KVCache, logits_at=N
 
 # ---- the declarations: every parameter's shape, initializer and logical axes ------------------------
 # Each module, called, declares its parameters and returns them as a dict shaped like its part of the
-# params tree; `Llama` hands the whole tree to `llama`. Initialization (params.py) traces `Llama`.
+# params tree; `Llama` returns the whole tree. Initialization (params.py) traces `Llama`.
 
 
 class RMSNorm(nn.Module):
@@ -251,24 +251,21 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """tokens [b, t], positions [b, t], cache -> (logits, cache).
-
-    `logits_at` [b] (optional): compute logits only at that time index of each row -> logits [b, vocab];
-    otherwise logits for every position -> [b, t, vocab]. Logits are float32.
-    """
+    """The whole model's params tree; `llama` / `forward` run it. Declaring runs no math: tracing the
+    declarations (every checkpoint load derives its layout from them) costs a fraction of a forward pass's trace."""
 
     config: ModelConfig
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, tokens, positions, cache: KVCache, logits_at=None):
+    def __call__(self) -> dict:
         c, dtype = self.config, self.dtype
         params = {"embedding": _param(self, "embedding", (c.vocab_size, c.dim), ("vocab", "embed"), dtype)}
         params |= {f"layers_{i}": Block(c, dtype, name=f"layers_{i}")() for i in range(c.n_layers)}
         params["norm"] = RMSNorm(c, dtype, name="norm")()
         if not c.tie_embeddings:
             params["output"] = _param(self, "output", (c.vocab_size, c.dim), ("vocab", "embed"), dtype)
-        return llama(params, c, tokens, positions, cache, logits_at)
+        return params
 
 
 def empty_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:

@@ -19,13 +19,12 @@ from jax.sharding import Mesh
 
 from jaxllama.core.blocks import BLOCK, Blocks
 from jaxllama.core.config import BLOCK_FORMATS, ModelConfig
-from jaxllama.core.model import PRODUCT_IN_DIMS, Llama, empty_cache
+from jaxllama.core.model import PRODUCT_IN_DIMS, Llama
 from jaxllama.core.sharding import logical_to_spec, named_sharding, rules_for
 
 
 def _init(config: ModelConfig, dtype, key):
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    return Llama(config, dtype).init(key, tokens, tokens, empty_cache(config, 1, 1, dtype))["params"]
+    return Llama(config, dtype).init(key)["params"]
 
 
 @functools.lru_cache(maxsize=16)
