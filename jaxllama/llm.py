@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -136,19 +137,14 @@ class LLM:
         form = product_form(config)
         ops = backends.choose(mesh, form, kernel_dir(), quantize=quantize)
         check_fits(config, ops, form, mesh, stored=stored)
-        # Each part of the model is prepared for the backend as it is restored: one copy of the weights at a time.
-        config, params = load_checkpoint(
-            path, mesh=mesh, dtype=dtype, prepare=lambda part: ops.prepare(part, config), config=stored
-        )
-        tokenizer = load_tokenizer(path)
-        template = ChatTemplate.from_checkpoint(path, chat_template, special_tokens=tokenizer.special_tokens)
-        eos = end_of_generation_ids(
-            tokenizer,
-            generation_config=load_generation_config(path),
-            template_text=template.source,
-            override=eos_ids,
-            extra=extra_eos_ids,
-        )
+        # The text side is read on a thread while the weights restore (TensorStore's threads do that work, not
+        # Python's). Each part of the model is prepared for the backend as it is restored: one copy at a time.
+        with ThreadPoolExecutor(1) as pool:
+            text = pool.submit(_load_text, path, chat_template, eos_ids, extra_eos_ids)
+            config, params = load_checkpoint(
+                path, mesh=mesh, dtype=dtype, prepare=lambda part: ops.prepare(part, config), config=stored
+            )
+            tokenizer, template, eos = text.result()
         return cls(
             config,
             params,
@@ -359,6 +355,22 @@ class LLM:
     def _new_id(self) -> str:
         self._next_id += 1
         return f"req-{self._next_id}"
+
+
+def _load_text(
+    path: Path, chat_template: str | None, eos_ids, extra_eos_ids
+) -> tuple[Tokenizer, ChatTemplate, frozenset[int]]:
+    """A checkpoint's tokenizer, chat template (or the one asked for) and end-of-generation ids."""
+    tokenizer = load_tokenizer(path)
+    template = ChatTemplate.from_checkpoint(path, chat_template, special_tokens=tokenizer.special_tokens)
+    eos = end_of_generation_ids(
+        tokenizer,
+        generation_config=load_generation_config(path),
+        template_text=template.source,
+        override=eos_ids,
+        extra=extra_eos_ids,
+    )
+    return tokenizer, template, eos
 
 
 def _default_decode_steps() -> int:
