@@ -54,19 +54,19 @@ class ResidentPrefixes:
         self, prompt: Sequence[int], exclude: frozenset[int] = frozenset(), logprobs: bool = False
     ) -> tuple[int | None, int]:
         """(slot, n): the slot holding the longest prefix of `prompt` and its length, at most len(prompt) - 1
-        (the last prompt token is always computed: it gives the first token's logits), and with `logprobs` at most
-        the number of its tokens after the first whose log-probabilities the slot knows (the prompt's own then come
-        from it up to token n, and from the prefill after); (None, 0) if no slot holds at least MIN_REUSE tokens
-        of it."""
-        p = np.asarray(prompt, np.int32)[: len(prompt) - 1]
+        (the last prompt token is always computed: it gives the first token's logits); with `logprobs`, such that
+        the slot also knows the log-probability of the prompt's token n (that of the same token after the same
+        tokens: n + 1 tokens in common), so that the prompt's own come from it up to token n and from the prefill
+        after; (None, 0) if no slot holds at least MIN_REUSE tokens of it."""
+        p = np.asarray(prompt, np.int32)
         best_slot, best_n = None, MIN_REUSE - 1
         for slot, held in enumerate(self.tokens):
             if logprobs:
                 known = self.logprobs[slot]
-                held = held[: 0 if known is None else len(known)]
+                held = held[: 0 if known is None else len(known) + 1]  # tokens 0..k, token k's known
             if slot in exclude or len(held) <= best_n:
                 continue
-            n = common_prefix(p, held)
+            n = min(common_prefix(p, held) - logprobs, len(prompt) - 1)
             if n > best_n:
                 best_slot, best_n = slot, n
         return (best_slot, best_n) if best_slot is not None else (None, 0)

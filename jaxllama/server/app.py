@@ -117,7 +117,8 @@ class OpenAIHandlers:
         prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
         if not isinstance(prompt, str) or not isinstance(special, bool):
             return _refusal(InvalidRequest("prompt: must be a string; add_special_tokens: true or false"), "completion")
-        tokens = self.llm.encode(prompt, add_bos=None if special else False)
+        tokenizer = self.llm.tokenizer  # special-token text becomes its id, as HF tokenizers (and vLLM) read it
+        tokens = tokenizer.encode(prompt, add_bos=special and tokenizer.add_bos, allow_special=True)
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": self.llm.engine.max_context})
 
     async def detokenize(self, body: JSONObject) -> JSONResponse:

@@ -57,6 +57,12 @@ def test_prompt_logprobs_equal_the_forward_pass(engine, tiny):
     config, params = tiny
     prompts = scoring_prompts()
     got, _ = prompt_logprobs(engine, prompts, top=5)
+    # More continuations of the context, one at a time: each starts from a slot that holds another one.
+    cached = engine.stats.cached_tokens
+    for extra in scoring_prompts(seed=3)[:3]:
+        prompts.append(prompts[0][:30] + extra[30:])
+        got += prompt_logprobs(engine, prompts[-1:], top=5)[0]
+    assert engine.stats.cached_tokens - cached >= 3 * 29
     for prompt, positions in zip(prompts, got, strict=True):
         ref = log_softmax(config, params, prompt)
         assert len(positions) == len(prompt) - 1

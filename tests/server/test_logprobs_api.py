@@ -118,6 +118,9 @@ def test_tokenizer_endpoints(live):
     assert httpx.post(f"{live.url}/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"] == llm.encode(
         PROMPT
     )
+    eos = llm.tokenizer.eos_token
+    special = httpx.post(f"{live.url}/tokenize", json={"prompt": eos, "add_special_tokens": False}, timeout=30).json()
+    assert special["tokens"] == [llm.tokenizer.encode(eos, allow_special=True)[-1]]  # one id, as HF reads it
     back = httpx.post(f"{live.url}/detokenize", json={"tokens": r["tokens"]}, timeout=30).json()
     assert back == {"prompt": PROMPT}
     bad = httpx.post(f"{live.url}/detokenize", json={"tokens": [llm.config.vocab_size]}, timeout=30)
