@@ -99,7 +99,7 @@ class Characters:
     [
         ({"prompt": "x", "top_p": 1.5}, "completion"),
         ({"prompt": "x", "n": 0}, "completion"),
-        ({"prompt": ["a", "b"]}, "completion"),
+        ({"prompt": ["a", 3]}, "completion"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "chat"),
         ({"messages": []}, "chat"),
         ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": True}, "chat"),
@@ -192,7 +192,7 @@ class Engineless:
         self.generation = self
         self.submitted = []
 
-    def submit(self, rid, prompt, params, stop, priority, grammar=None, n=1):
+    def submit(self, rid, prompt, params, stop, logprobs=False, priority=0, grammar=None, n=1):
         if prompt == Characters().encode("boom"):
             raise RuntimeError("a fault of jaxllama's")
         self.submitted.append(rid)
