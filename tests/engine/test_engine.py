@@ -163,7 +163,7 @@ BAD = [
     (dict(prompt=list(range(3, 200))), "context limit is 128"),
     (dict(prompt=[]), "prompt is empty"),
     (dict(prompt=[5, 131]), "outside the vocabulary"),
-    (dict(params=dict(max_tokens=0)), "max_tokens=0"),
+    (dict(params=dict(max_tokens=-1)), "max_tokens=-1"),
     (dict(params=dict(temperature=-1.0)), "temperature=-1.0"),
     (dict(params=dict(top_p=0.0)), "top_p=0.0"),
     (dict(params=dict(top_p=1.5)), "top_p=1.5"),
