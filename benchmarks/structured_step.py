@@ -42,7 +42,7 @@ def main(rows: int = 64, max_tokens: int = 30, rounds: int = 2, model: str | Non
         wall = time.perf_counter() - start - (stats.compile_s - compile_s)
         kind = "constrained" if constrained else "free"
         print(
-            f"{name} {kind}: {stats.generated_tokens - tokens} tokens, decode {rate:.1f} tok/s, {wall:.1f} s",
+            f"{name} {kind}: {stats.generated_tokens - tokens} decode tokens, {rate:.1f} tok/s, {wall:.1f} s",
             flush=True,
         )
 
