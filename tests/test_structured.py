@@ -37,7 +37,7 @@ DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"
 
 @pytest.fixture(scope="module")
 def llm(smollm2_checkpoint):
-    return LLM.load(smollm2_checkpoint, max_slots=8, max_context=512, compilation_cache=False)
+    return LLM.load(smollm2_checkpoint, mesh="data=1,model=1", max_slots=8, max_context=512, compilation_cache=False)
 
 
 @pytest.fixture(scope="module")
