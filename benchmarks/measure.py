@@ -12,15 +12,16 @@ import psutil
 
 
 def peak_rss(cmd: list[str], cwd: Path, env: dict | None = None, stdout=None) -> int:
-    """Run cmd to completion and return its peak resident set size in bytes (sampled every 50 ms, anonymous and
-    file-backed pages); raises SystemExit if it fails."""
+    """Run cmd to completion and return the peak resident set size in bytes of it and the processes it started (a
+    peer's server), summed (sampled every 50 ms, anonymous and file-backed pages); raises SystemExit if it fails."""
     child = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout)
     proc, peak = psutil.Process(child.pid), 0
     while child.poll() is None:
         try:
-            peak = max(peak, proc.memory_info().rss)
+            tree = [proc, *proc.children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
         except psutil.NoSuchProcess:
-            break
+            pass
         time.sleep(0.05)
     if child.returncode:
         raise SystemExit(f"{' '.join(map(str, cmd))} failed with exit status {child.returncode}")
