@@ -56,16 +56,9 @@ inline Reg LoadReg(const float* p) {
   return v;
 }
 
-inline Reg LoadReg(const Half* p) {  // F16C's vcvtph2ps where the CPU has it
-#if defined(JAXLLAMA_WIDE)
-  return reinterpret_cast<Reg>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
-#elif defined(__F16C__)
-  return reinterpret_cast<Reg>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#else
-  Reg v;
-  for (int i = 0; i < kRegLanes; ++i) v[i] = ToFloat(p[i]);
-  return v;
-#endif
+inline Reg LoadReg(const Half* p) {  // a Half is its 16 bits: vec.h's loader widens them
+  static_assert(sizeof(Half) == sizeof(uint16_t));
+  return jaxllama::LoadHalves(reinterpret_cast<const uint16_t*>(p));
 }
 
 inline Reg LoadReg(const BFloat16* p) {  // a bfloat16 is a float32's high half
