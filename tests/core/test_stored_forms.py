@@ -20,6 +20,7 @@ from jaxllama.core.model import sequence_logits
 from jaxllama.core.ops import XLA
 from jaxllama.core.params import stored_bytes
 from jaxllama.core.sharding import make_mesh
+from tests.core import test_converters
 from tests.factories import Tiny, hf_state, write_gguf, write_hf
 
 TINY = Tiny(heads=8, kv_heads=2, vocab=131, ffn=96)  # ffn 96: w2's inputs split on 2 devices are not whole blocks
@@ -48,17 +49,7 @@ def test_quantize_is_gguf_quantize(format, shape, in_dims, monkeypatch):
     np.testing.assert_array_equal(ours.scales, expected.scales)
 
 
-GGUF_TYPES = {
-    "token_embd": "Q8_0",
-    "attn_q": "Q4_0",
-    "attn_k": "Q4_1",
-    "attn_v": "F16",
-    "attn_output": "Q5_0",
-    "ffn_gate": "Q8_0",
-    "ffn_up": "BF16",
-    "ffn_down": "Q5_1",
-    "output.": "Q4_0",
-}
+GGUF_TYPES = {**test_converters.GGUF_TYPES, "output.": "Q4_0"}  # the converters' mix, with a Q4_0 output
 EXPECTED_FORMS = {"wq": "q4_0", "wk": "q8_0", "wv": "bfloat16", "wo": "q8_0", "w1": "q8_0", "w3": "bfloat16"}
 
 
