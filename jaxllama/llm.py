@@ -21,15 +21,16 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllama import backends
-from jaxllama.core.checkpoint import load_checkpoint, load_config
+from jaxllama.core.checkpoint import is_checkpoint, load_config
 from jaxllama.core.config import STORAGE_DTYPES, ModelConfig
 from jaxllama.core.model import forward, sequence_logits
 from jaxllama.core.params import product_form, stored_bytes
 from jaxllama.core.sharding import make_mesh
+from jaxllama.engine import prepared
 from jaxllama.engine.engine import DEFAULT_SLOTS, Engine, check_options
 from jaxllama.engine.memory import check_fits
 from jaxllama.engine.request import SamplingParams
-from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir
+from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir, prepared_cache
 from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
 from jaxllama.generation import Generation, Result
 from jaxllama.protocol.requests import OUTPUT_FORMAT_FIELDS, SAMPLING_FIELDS, output_format, samples, sampling_params
@@ -113,6 +114,7 @@ class LLM:
         quantize: str | None = None,
         kv_cache_dtype: str | None = None,
         compilation_cache: bool = True,
+        keep_prepared: bool = True,
     ) -> LLM:
         """Load a converted checkpoint (None: the default model) onto a mesh ('data=2,model=4'; default:
         chosen from the devices). `dtype`: None (default) runs the weights as the checkpoint stores them (bfloat16 as
@@ -122,7 +124,10 @@ class LLM:
         generate with int8 weights in blocks of 32 (llama.cpp's Q8_0), on one CPU device: 'q8_0' multiplies them by
         the inputs in int16, 'w8a8' by the inputs in int8 (as llama.cpp does; fastest on CPUs with AVX-512 VNNI);
         `logits` and `forward` run on the same weights. `kv_cache_dtype`: 'float16' or 'bfloat16' keeps the
-        KV cache in 16 bits (half the bytes attention reads), 'float32', or None for the weights' dtype."""
+        KV cache in 16 bits (half the bytes attention reads), 'float32', or None for the weights' dtype.
+        `compilation_cache`: keep compiled programs on disk (`runtime.enable_compilation_cache`); `keep_prepared`:
+        keep the weights prepared for the CPU kernels there too, so that loading this model again maps them from a
+        file in a fraction of a second (`engine/prepared.py`; one more copy of the weights on disk)."""
         from jaxllama.default_model import resolve_model
 
         check_options(quantize, kv_cache_dtype)  # before a long load
@@ -131,7 +136,10 @@ class LLM:
         path = resolve_model(path)
         if dtype is not None and jnp.dtype(dtype).name not in STORAGE_DTYPES:
             raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(STORAGE_DTYPES)}")
-        stored = load_config(path)  # checked against the arrays stored, before its sizes are trusted
+        kept = prepared_cache() if keep_prepared else None
+        # Checked against the arrays stored before its sizes are trusted, unless weights prepared from this very
+        # checkpoint are kept: it was checked then.
+        stored = load_config(path, check=not (is_checkpoint(path) and prepared.checked(kept, Path(path))))
         config = stored.with_dtype(jnp.dtype(dtype).name) if dtype is not None else stored  # as restored
         mesh = make_mesh(config, mesh, param_bytes=stored_bytes(config))
         form = product_form(config)
@@ -141,9 +149,7 @@ class LLM:
         # Python's). Each part of the model is prepared for the backend as it is restored: one copy at a time.
         with ThreadPoolExecutor(1) as pool:
             text = pool.submit(_load_text, path, chat_template, eos_ids, extra_eos_ids)
-            config, params = load_checkpoint(
-                path, mesh=mesh, dtype=dtype, prepare=lambda part: ops.prepare(part, config), config=stored
-            )
+            params = prepared.restore(kept, Path(path), stored, mesh, dtype, ops)
             tokenizer, template, eos = text.result()
         return cls(
             config,

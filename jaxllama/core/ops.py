@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,11 @@ NO_YNNPACK = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 @dataclasses.dataclass(frozen=True)
 class Ops:
-    """XLA's own operations."""
+    """XLA's own operations. `prepared_on_host`: whether `prepare` makes new arrays in host memory (a CPU backend's
+    packed weights), which a load may keep in a file and map back later (`engine/prepared.py`); XLA's read the
+    restored arrays as they are."""
+
+    prepared_on_host: ClassVar[bool] = False
 
     def prepare(self, params, config) -> dict:
         """params (the whole tree, or part of it) as this backend's products read them. XLA reads the checkpoint's

@@ -1,4 +1,5 @@
-"""Process-level set-up: multi-host initialization, and the persistent caches of compiled and exported programs."""
+"""Process-level set-up: multi-host initialization, and the persistent caches of compiled and exported programs
+and of prepared weights."""
 
 from __future__ import annotations
 
@@ -23,25 +24,35 @@ def kernel_dir() -> Path:
 
 
 _programs: Path | None = None
+_prepared: Path | None = None
 
 
 def enable_compilation_cache(root: str | Path | None = None) -> Path:
     """Keep the engine's programs on disk under `root` (default: `cache_dir()`), so that running a job again
     neither compiles them again (XLA's persistent cache, in root/xla) nor traces them again (exported, in
-    root/programs: `engine/programs.py`)."""
-    global _programs
+    root/programs: `engine/programs.py`), and the weights prepared for the CPU kernels (root/prepared:
+    `engine/prepared.py`), so that loading the same model again only maps them."""
+    global _programs, _prepared
+    if root is None and _programs is not None:
+        return _programs.parent  # on already (where the application or a test session put it): kept there
     root = Path(root) if root else cache_dir()
     (root / "xla").mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(root / "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     _programs = root / "programs"
+    _prepared = root / "prepared"
     return root
 
 
 def program_cache() -> Path | None:
     """Where the engine keeps exported programs: set by `enable_compilation_cache`, else None (none kept)."""
     return _programs
+
+
+def prepared_cache() -> Path | None:
+    """Where loads keep prepared weights: set by `enable_compilation_cache`, else None (none kept)."""
+    return _prepared
 
 
 def initialize_distributed(

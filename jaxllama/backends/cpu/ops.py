@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,7 @@ class CpuOps(Ops):
     one of matmul.QUANTIZATIONS). Q8_0 blocks are read in the layout of `quantize` "w8a8", else of "q8_0"."""
 
     quantize: str | None = None
+    prepared_on_host: ClassVar[bool] = True
 
     def __post_init__(self):
         matmul.check_quantization(self.quantize)

@@ -1,0 +1,105 @@
+"""Prepared weights kept on disk (`engine/prepared.py`): a second load maps the arrays the first one prepared, from
+the file itself, and runs the same; a rewritten checkpoint, another quantization or a damaged entry is prepared
+again; only the entries used last are kept."""
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxllama import LLM
+from jaxllama.engine import prepared, runtime
+
+ONE_DEVICE = "data=1,model=1"  # the CPU kernels, whose packed weights are host arrays
+TOKENS = [[5, 9, 200, 17, 3, 77]]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "prepared"
+    monkeypatch.setattr(runtime, "_prepared", root)
+    return root
+
+
+@pytest.fixture
+def checkpoint(tiny_chat_checkpoint, tmp_path) -> Path:
+    return Path(shutil.copytree(tiny_chat_checkpoint, tmp_path / "ckpt"))
+
+
+def entries(root: Path) -> list[Path]:
+    return sorted(p.parent for p in root.glob(f"*/{prepared.INDEX}"))
+
+
+def mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """The address ranges this process maps `path` at (from /proc/self/maps)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str(path)):
+            start, end = line.split()[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def test_a_second_load_maps_the_prepared_weights(cache, checkpoint):
+    first = LLM.load(checkpoint, mesh=ONE_DEVICE)
+    want = first.logits(TOKENS)
+    (entry,) = entries(cache)
+    again = LLM.load(checkpoint, mesh=ONE_DEVICE)
+    np.testing.assert_array_equal(again.logits(TOKENS), want)
+    assert jax.tree.structure(again.params) == jax.tree.structure(first.params)
+    # Every array of the second load lies in the entry's file, mapped: nothing was restored or copied.
+    ranges = mapped_ranges((entry / prepared.WEIGHTS).resolve())
+    for leaf in jax.tree.leaves(again.params):
+        pointer = leaf.unsafe_buffer_pointer()
+        assert any(start <= pointer < end for start, end in ranges), leaf.shape
+    a, b = (llm.generate("the", max_tokens=8, temperature=0).token_ids for llm in (first, again))
+    assert a == b
+
+
+def test_each_quantization_is_its_own_entry_and_the_last_used_are_kept(cache, checkpoint, monkeypatch):
+    monkeypatch.setattr(prepared, "KEEP", 2)
+    for quantize in (None, "q8_0", "q4_0"):
+        LLM.load(checkpoint, mesh=ONE_DEVICE, quantize=quantize)
+    assert len(entries(cache)) == 2
+    LLM.load(checkpoint, mesh=ONE_DEVICE, quantize="q8_0")  # kept: mapped, nothing written
+    LLM.load(checkpoint, mesh=ONE_DEVICE)  # the oldest was removed: prepared and kept again
+    kept = entries(cache)
+    assert len(kept) == 2
+    q4 = LLM.load(checkpoint, mesh=ONE_DEVICE, quantize="q4_0")  # removed, as the least recently used
+    assert len(entries(cache)) == 2 and set(entries(cache)) != set(kept)
+    assert np.isfinite(q4.logits(TOKENS)).all()
+
+
+def test_a_rewritten_checkpoint_is_prepared_again(cache, checkpoint):
+    want = LLM.load(checkpoint, mesh=ONE_DEVICE).logits(TOKENS)
+    config = checkpoint / "config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"norm_eps": 0.5}))  # another model, same arrays
+    got = LLM.load(checkpoint, mesh=ONE_DEVICE).logits(TOKENS)
+    assert len(entries(cache)) == 2 and not np.allclose(got, want, atol=1e-3)
+    data = next(p for p in (checkpoint / "params").rglob("*") if p.is_file())
+    os.utime(data, ns=(0, 0))  # the arrays rewritten, as far as their files tell
+    LLM.load(checkpoint, mesh=ONE_DEVICE)
+    assert len(entries(cache)) == 3
+
+
+def test_a_damaged_entry_is_prepared_again(cache, checkpoint, caplog):
+    want = LLM.load(checkpoint, mesh=ONE_DEVICE).logits(TOKENS)
+    (entry,) = entries(cache)
+    weights = entry / prepared.WEIGHTS
+    os.truncate(weights, weights.stat().st_size // 2)
+    with caplog.at_level(logging.WARNING, logger="jaxllama.engine.prepared"):
+        got = LLM.load(checkpoint, mesh=ONE_DEVICE).logits(TOKENS)
+    assert "unreadable" in caplog.text
+    np.testing.assert_array_equal(got, want)
+    assert entries(cache) == [entry] and weights.stat().st_size > 0  # written again, whole
+
+
+def test_nothing_is_kept_on_a_mesh_or_when_asked_not_to(cache, checkpoint):
+    LLM.load(checkpoint, mesh="data=2,model=1")  # XLA's operations read the restored arrays: nothing to keep
+    LLM.load(checkpoint, mesh=ONE_DEVICE, keep_prepared=False)
+    assert entries(cache) == []
