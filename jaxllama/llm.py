@@ -29,6 +29,7 @@ from jaxllama.core.sharding import make_mesh
 from jaxllama.engine import prepared
 from jaxllama.engine.engine import DEFAULT_SLOTS, Engine, check_options
 from jaxllama.engine.memory import check_fits
+from jaxllama.engine.programs import preload_imports
 from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir, prepared_cache
 from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
@@ -147,8 +148,9 @@ class LLM:
         check_fits(config, ops, form, mesh, stored=stored)
         # The text side is read on a thread while the weights restore (TensorStore's threads do that work, not
         # Python's). Each part of the model is prepared for the backend as it is restored: one copy at a time.
-        with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(2) as pool:
             text = pool.submit(_load_text, path, chat_template, eos_ids, extra_eos_ids)
+            pool.submit(preload_imports)
             params = prepared.restore(kept, Path(path), stored, mesh, dtype, ops)
             tokenizer, template, eos = text.result()
         return cls(
@@ -368,6 +370,7 @@ def _load_text(
 ) -> tuple[Tokenizer, ChatTemplate, frozenset[int]]:
     """A checkpoint's tokenizer, chat template (or the one asked for) and end-of-generation ids."""
     tokenizer = load_tokenizer(path)
+    tokenizer.prepare()
     template = ChatTemplate.from_checkpoint(path, chat_template, special_tokens=tokenizer.special_tokens)
     eos = end_of_generation_ids(
         tokenizer,

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import random
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,7 @@ from jaxllama.engine.sampling import SamplerFlags, SamplingRows
 from jaxllama.engine.stats import EngineStats
 
 MAX_STOP_IDS = 32  # end-of-generation ids a slot can hold: the model's and the request's own
+_ALLOCATOR = ThreadPoolExecutor(1, thread_name_prefix="jaxllama-kv-cache")
 
 
 class Device:
@@ -92,9 +94,27 @@ class Device:
         for (a, _), run in zip(self._runs, self._run_params, strict=True):
             self.params |= {f"layers_{a + i}": p for i, p in enumerate(run)}
         self.state = self._initial_state()
-        self.cache = kvcache.allocate(config, mesh, slots, buckets.bucket(min_cache, max_context), cache_dtype)
+        # In one process the cache is allocated on a thread: the first touch of its pages (on a CPU, ~1 s a GB) then
+        # overlaps the host's work up to the first prefill, which loads its programs meanwhile.
+        allocate = functools.partial(kvcache.allocate, config, mesh, slots, buckets.bucket(min_cache, max_context))
+        self._cache, self._allocating = None, None
+        if jax.process_count() == 1:
+            self._allocating = _ALLOCATOR.submit(allocate, cache_dtype)
+        else:
+            self._cache = allocate(cache_dtype)
 
     # ---- the interface ----------------------------------------------------------------------------
+
+    @property
+    def cache(self) -> kvcache.KVCache:
+        """The slots' KV cache: per layer, (keys, values)."""
+        if self._cache is None:
+            self._cache = self._allocating.result()
+        return self._cache
+
+    @cache.setter
+    def cache(self, cache: kvcache.KVCache) -> None:
+        self._cache = cache
 
     @property
     def cache_length(self) -> int:

@@ -39,6 +39,12 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
+def preload_imports() -> None:
+    """Import what the first call of an exported program imports: jax registers its CPU LAPACK handlers then, which
+    imports scipy.linalg (~0.5 s). A model's loader calls this on a thread, while the weights load."""
+    import scipy.linalg  # noqa: F401
+
+
 def program_key(fn, args, donate: int | None, static_key) -> str:
     """The file name of fn's program on args (shapes, dtypes and their pytree, which holds static fields), with
     fn's keyword arguments (config, flags), the donated argument, the caller's static switches, and what else

@@ -38,6 +38,11 @@ class Tokenizer(abc.ABC):
     special_tokens: dict[str, int]
     add_bos: bool
 
+    def prepare(self) -> None:
+        """Build now what encoding builds on its first call (a model's loader calls this on a thread); most backends
+        build everything when they load."""
+        return None
+
     def encode(self, text: str, *, add_bos: bool = False, allow_special: bool = True) -> list[int]:
         """Token ids of `text`, with exactly one BOS id in front if `add_bos` (never otherwise).
 
