@@ -113,9 +113,11 @@ def llamacpp(job: str) -> None:
 
 def llamaserver(job: str, server: str, gguf: str | None = None, slots: int = 32, ctx_per_slot: int = 1024) -> None:
     """llama.cpp's own server (`llama-server -np SLOTS --cont-batching`): its parallel slots and continuous batching
-    are how llama.cpp runs many requests. Loaded and warmed with one request, then sent every line of the job at once,
-    longest max_tokens first as `jaxllama run` orders them, streamed so that each first token is timed. llama.cpp
-    spin-waits between steps: measure it on an otherwise idle machine. load_s: start to health check passed."""
+    are how llama.cpp runs many requests. Loaded and warmed with one request (the job's first line, for one token),
+    then sent every line of the job at once, longest max_tokens first as `jaxllama run` orders them, streamed so that
+    each first token is timed. llama.cpp spin-waits between steps: measure it on an otherwise idle machine. load_s:
+    start to health check passed; first_token_s: start to the answer of that first request (what a one-token
+    `jaxllama run` of the first line takes, start to exit)."""
     import httpx
 
     rows = _rows(job)
@@ -139,8 +141,9 @@ def llamaserver(job: str, server: str, gguf: str | None = None, slots: int = 32,
                     pass
                 time.sleep(0.1)
             load_s = time.perf_counter() - begin
-            hello = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+            hello = {"messages": rows[0]["messages"], "max_tokens": 1, "temperature": 0}
             client.post("/v1/chat/completions", json=hello).raise_for_status()
+            first_token_s = time.perf_counter() - begin
 
             def one(row) -> tuple[int, float]:
                 body = {"messages": row["messages"], "max_tokens": row.get("max_tokens", 64), "temperature": 0}
@@ -169,7 +172,7 @@ def llamaserver(job: str, server: str, gguf: str | None = None, slots: int = 32,
         child.terminate()
         child.wait(30)
     tokens = sum(t for t, _ in results)
-    _report(rows, tokens, wall, [ms for _, ms in results], load_s=load_s)
+    _report(rows, tokens, wall, [ms for _, ms in results], load_s=load_s, first_token_s=first_token_s)
 
 
 if __name__ == "__main__":

@@ -114,11 +114,12 @@ def main(job: str, *ggufs: str, llama_server: str, one_at_a_time: int = 4, run_a
         )
         j, peer = r["jaxllama"], r["llama-server"]
         peer_job, peer_alone = peer["batch"]["output_tokens_per_s"], peer["alone"]["output_tokens_per_s"]
+        peer_first = peer["batch"]["first_token_s"]
         name = f"{r['gguf']} ({r['gguf_bytes'] / mb:.0f} MB)"
         for system, batch, alone, peak, load in (
             ("jaxllama warm", j["warm"], j["alone"], j["warm"]["peak_rss"], j["load"]["process_s"]),
             ("jaxllama cold", j["cold"], None, j["cold"]["peak_rss"], None),
-            ("llama-server", peer["batch"], peer["alone"], peer["batch"]["peak_rss"], peer["batch"]["load_s"]),
+            ("llama-server", peer["batch"], peer["alone"], peer["batch"]["peak_rss"], peer_first),
         ):
             tok = batch["output_tokens_per_s"]
             alone_tok = alone["output_tokens_per_s"] if alone else float("nan")
@@ -132,7 +133,8 @@ def main(job: str, *ggufs: str, llama_server: str, one_at_a_time: int = 4, run_a
             f"{r['checkpoint_bytes'] / mb:.0f} MB; jaxllama warm peak = "
             f"{j['warm']['peak_rss'] / r['checkpoint_bytes']:.2f}x the checkpoint; "
             f"load: {j['load']['process_s']:.1f} s start to exit for one token "
-            f"({j['load']['wall_s']:.1f} s of it the job)"
+            f"({j['load']['wall_s']:.1f} s of it the job), {j['load']['process_s'] / peer_first:.2f}x llama-server's "
+            f"start to first token (its health check: {peer['batch']['load_s']:.1f} s)"
         )
         print(json.dumps(r), file=sys.stderr)
 

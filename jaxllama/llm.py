@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -115,7 +116,7 @@ class LLM:
         quantize: str | None = None,
         kv_cache_dtype: str | None = None,
         compilation_cache: bool = True,
-        keep_prepared: bool = True,
+        keep_prepared: bool | None = None,
     ) -> LLM:
         """Load a converted checkpoint (None: the default model) onto a mesh ('data=2,model=4'; default:
         chosen from the devices). `dtype`: None (default) runs the weights as the checkpoint stores them (bfloat16 as
@@ -128,7 +129,8 @@ class LLM:
         KV cache in 16 bits (half the bytes attention reads), 'float32', or None for the weights' dtype.
         `compilation_cache`: keep compiled programs on disk (`runtime.enable_compilation_cache`); `keep_prepared`:
         keep the weights prepared for the CPU kernels there too, so that loading this model again maps them from a
-        file in a fraction of a second (`engine/prepared.py`; one more copy of the weights on disk)."""
+        file in a fraction of a second (`engine/prepared.py`; one more copy of the weights on disk; default: yes,
+        unless the environment sets JAXLLAMA_KEEP_PREPARED=0)."""
         from jaxllama.default_model import resolve_model
 
         check_options(quantize, kv_cache_dtype)  # before a long load
@@ -137,6 +139,8 @@ class LLM:
         path = resolve_model(path)
         if dtype is not None and jnp.dtype(dtype).name not in STORAGE_DTYPES:
             raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(STORAGE_DTYPES)}")
+        if keep_prepared is None:
+            keep_prepared = os.environ.get("JAXLLAMA_KEEP_PREPARED", "1") != "0"
         kept = prepared_cache() if keep_prepared else None
         # Checked against the arrays stored before its sizes are trusted, unless weights prepared from this very
         # checkpoint are kept: it was checked then.
