@@ -16,6 +16,7 @@ couple of layers plus the embedding whatever the model's size. OUT appears only 
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import fire
 import numpy as np
 from tqdm import tqdm
 
+from converters import CONVERTER_FILE, VERSION
 from converters.gguf_file import GGUFSource, is_gguf
 from converters.hf import HFSource, is_hf
 from converters.layout import ConversionError, canonical_names, check_source, param_name, to_params
@@ -89,6 +91,7 @@ def convert(
                 writer.copy_file(content, name)
             else:
                 writer.write_file(name, content)
+        writer.write_file(CONVERTER_FILE, json.dumps({"version": VERSION}) + "\n")
         writer.commit()
     return Path(out)
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 from pathlib import Path
 
+import converters
 from jaxllama.core.checkpoint import checkpoint_format, is_checkpoint
 from jaxllama.engine.runtime import cache_dir
 
@@ -36,8 +38,9 @@ def default_checkpoint(progress: bool = True) -> Path:
 
 
 def convert_once(source: Path, out: Path, progress: bool = True) -> Path:
-    """`out`, converted from `source` unless it is there already (safe against concurrent conversions)."""
-    if is_checkpoint(out):
+    """`out`, converted from `source` unless it is there already, converted by this version of the converters (safe
+    against concurrent conversions)."""
+    if is_checkpoint(out) and _converter_version(out) == converters.VERSION:
         return out
     from converters.layout import ConversionError
     from converters.llama import convert
@@ -45,7 +48,7 @@ def convert_once(source: Path, out: Path, progress: bool = True) -> Path:
     log.info("converting %s into %s (once)", source, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        # A copy converted by an older jaxllama (another checkpoint format) is replaced.
+        # A copy converted by an older jaxllama (another checkpoint format or converter version) is replaced.
         convert(source, out, progress=progress, overwrite=checkpoint_format(out) is not None)
     except ConversionError as e:
         raise ValueError(f"--model {source}: {e}") from e
@@ -56,6 +59,13 @@ def convert_once(source: Path, out: Path, progress: bool = True) -> Path:
         if not is_checkpoint(out):
             raise
     return out
+
+
+def _converter_version(checkpoint: Path) -> int | None:
+    try:
+        return json.loads((checkpoint / converters.CONVERTER_FILE).read_text())["version"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def source_key(source: Path) -> str:

@@ -7,6 +7,7 @@ Layout of a checkpoint folder::
     params/                     Orbax checkpoint of the params pytree (names as in `params.param_layout`; a weight
                                 stored as blocks is NAME/quants and NAME/scales, see `params.abstract_stored`)
     format.json                 the checkpoint format's version (FORMAT)
+    converter.json              the version of the converters that wrote it (`converters.VERSION`)
     tokenizer files, generation_config.json, chat template   (carried by the converter, read by `text`)
 
 Nothing in it depends on a device count: `load_checkpoint` restores with target shardings, so each host
