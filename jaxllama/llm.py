@@ -150,8 +150,9 @@ class LLM:
         form = product_form(config)
         ops = backends.choose(mesh, form, kernel_dir(), quantize=quantize)
         check_fits(config, ops, form, mesh, stored=stored)
-        # The text side is read on a thread while the weights restore (TensorStore's threads do that work, not
-        # Python's). Each part of the model is prepared for the backend as it is restored: one copy at a time.
+        # The text side is read, and what the first program's call imports imported, on threads while the weights
+        # restore or map (TensorStore's threads or the kernel do that work, not Python's). Each part of the model is
+        # prepared for the backend as it is restored: one copy at a time.
         with ThreadPoolExecutor(2) as pool:
             text = pool.submit(_load_text, path, chat_template, eos_ids, extra_eos_ids)
             pool.submit(preload_imports)
