@@ -9,7 +9,8 @@ device of one process). An entry is a folder in the cache (`runtime.prepared_cac
 `CHECKPOINT-BACKEND`, two digests: CHECKPOINT of what the arrays are read from (the checkpoint's resolved path, its
 config.json, and the size and modification time of each stored file), BACKEND of how they were prepared (the
 backend's value, the dtype asked for, jaxllama's source and jax's version). It holds `weights.bin` (each array's bytes
-at an offset aligned to ALIGN) and `index.pkl` (the pytree's structure, each array's offset, shape and dtype). It is
+at an offset aligned to ALIGN) and `index.pkl` (the pytree's structure, each array's offset, shape, dtype and
+partition spec). It is
 written to a temporary folder and renamed into place, so an entry is whole or absent; one that cannot be read is
 written again. An entry exists only for a checkpoint whose config was checked against its arrays and restored: the
 CHECKPOINT digest stands for that check (`checked`). The KEEP entries used last are kept, the rest removed.
@@ -30,6 +31,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from jaxllama.core.checkpoint import PARAMS_DIR, load_checkpoint, process_alive
 from jaxllama.core.config import CONFIG_FILE, ModelConfig
@@ -51,7 +53,7 @@ def restore(root: Path | None, checkpoint: Path, config: ModelConfig, mesh, dtyp
     if root is None or not ops.prepared_on_host or mesh.size != 1 or jax.process_count() != 1:
         return load_checkpoint(checkpoint, mesh=mesh, dtype=dtype, prepare=prepare, config=config)[1]
     name = f"{checkpoint_digest(checkpoint)}-{backend_digest(ops, dtype)}"
-    params = load(root, name, mesh.devices.flat[0])
+    params = load(root, name, mesh)
     if params is None:
         params = load_checkpoint(checkpoint, mesh=mesh, dtype=dtype, prepare=prepare, config=config)[1]
         save(root, name, params)
@@ -83,22 +85,24 @@ def checked(root: Path | None, checkpoint: Path) -> bool:
     return root is not None and root.is_dir() and any(root.glob(f"{checkpoint_digest(checkpoint)}-*/{INDEX}"))
 
 
-def load(root: Path, name: str, device) -> dict | None:
-    """The params kept in entry `name`, mapped onto `device` (a CPU device), or None where there is none (or it cannot
-    be read: it is then removed, to be written again)."""
+def load(root: Path, name: str, mesh) -> dict | None:
+    """The params kept in entry `name`, mapped onto `mesh` (of one CPU device) with the shardings they were kept with
+    (a program's inputs' shardings are part of it: other ones would compile it again), or None where there is none (or
+    it cannot be read: it is then removed, to be written again)."""
     entry = root / name
     try:
         with open(entry / INDEX, "rb") as f:
             treedef, leaves = pickle.load(f)
         weights = _mapped(entry / WEIGHTS)
         arrays = []
-        for offset, shape, dtype in leaves:
+        for offset, shape, dtype, spec in leaves:
             dtype = jnp.dtype(dtype)
+            sharding = SingleDeviceSharding(mesh.devices.flat[0]) if spec is None else NamedSharding(mesh, spec)
             size = int(np.prod(shape)) * dtype.itemsize
             if offset + size > weights.size:
                 raise ValueError(f"{WEIGHTS} is shorter than its index says")
             view = weights[offset : offset + size].view(dtype).reshape(shape)
-            arrays.append(jax.device_put(view, device))
+            arrays.append(jax.device_put(view, sharding))
         os.utime(entry / INDEX)  # used now: `_evict` keeps the entries used last
     except FileNotFoundError:
         return None
@@ -132,7 +136,8 @@ def save(root: Path, name: str, params) -> None:
                 offset = -(-offset // ALIGN) * ALIGN
                 f.seek(offset)
                 f.write(memoryview(np.ascontiguousarray(host)).cast("B"))
-                leaves.append((offset, host.shape, host.dtype.name))
+                spec = array.sharding.spec if isinstance(array.sharding, NamedSharding) else None
+                leaves.append((offset, host.shape, host.dtype.name, spec))
                 offset += host.nbytes
         with open(tmp / INDEX, "wb") as f:
             pickle.dump((treedef, leaves), f)

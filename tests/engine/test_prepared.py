@@ -52,6 +52,8 @@ def test_a_second_load_maps_the_prepared_weights(cache, checkpoint):
     again = LLM.load(checkpoint, mesh=ONE_DEVICE)
     np.testing.assert_array_equal(again.logits(TOKENS), want)
     assert jax.tree.structure(again.params) == jax.tree.structure(first.params)
+    # With the shardings they were restored with: the programs compiled for those are the ones found again.
+    assert [x.sharding for x in jax.tree.leaves(again.params)] == [x.sharding for x in jax.tree.leaves(first.params)]
     # Every array of the second load lies in the entry's file, mapped: nothing was restored or copied.
     ranges = mapped_ranges((entry / prepared.WEIGHTS).resolve())
     for leaf in jax.tree.leaves(again.params):
