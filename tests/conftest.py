@@ -32,6 +32,21 @@ def smollm2_gguf() -> Path | None:
 
 
 @pytest.fixture(scope="session")
+def kernel_folder() -> Path:
+    """Where the session builds the CPU kernels once: the session's cache, where the `jaxllama` subprocesses
+    (JAXLLAMA_CACHE) find them already built."""
+    return _CACHE / "kernels"
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels(kernel_folder) -> bool:
+    """The CPU kernels, loaded into the test process."""
+    from jaxllama.backends.cpu import library
+
+    return library.load(kernel_folder)
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     path = smollm2_gguf()
     if path is None:

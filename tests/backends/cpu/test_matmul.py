@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllama.backends.cpu import library, matmul
+from jaxllama.backends.cpu import matmul
 from jaxllama.backends.cpu.ops import CpuOps
 from jaxllama.core.ops import XLA
 from tests.engine.conftest import spread_params, tiny_config
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 
 
 @pytest.fixture(scope="module", autouse=True)
-def loaded(tmp_path_factory):
-    assert library.load(tmp_path_factory.mktemp("kernels"))
+def loaded(cpu_kernels):
+    assert cpu_kernels
 
 
 @pytest.mark.parametrize(
@@ -114,14 +114,14 @@ def test_gated_matmul_saturates_without_overflow():
         np.testing.assert_allclose(got, silu * scale, rtol=1e-6, atol=1e-30)
 
 
-def test_kernel_threads_can_be_capped(tmp_path):
+def test_kernel_threads_can_be_capped(kernel_folder):
     """JAXLLAMA_KERNEL_THREADS=1: a shared product starts no helper thread (by default, one per core less one:
     counted against the threads the process had before its first product); the result is the same."""
     script = f"""
 import os, jax, jax.numpy as jnp, numpy as np
 from pathlib import Path
 from jaxllama.backends.cpu import library, matmul
-assert library.load(Path({str(tmp_path)!r}))
+assert library.load(Path({str(kernel_folder)!r}))
 w = jnp.asarray(np.random.default_rng(0).standard_normal((512, 512), np.float32))
 x = jnp.ones((64, 512), jnp.float32)
 packed = jax.block_until_ready(matmul.pack(w))

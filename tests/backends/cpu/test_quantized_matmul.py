@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-from jaxllama.backends.cpu import library, matmul
+from jaxllama.backends.cpu import matmul
 from jaxllama.backends.cpu.ops import CpuOps
 from jaxllama.core.checkpoint import load_checkpoint
 from jaxllama.core.model import PRODUCT_IN_DIMS
@@ -25,8 +25,8 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 
 
 @pytest.fixture(scope="module", autouse=True)
-def loaded(tmp_path_factory):
-    assert library.load(tmp_path_factory.mktemp("kernels"))
+def loaded(cpu_kernels):
+    assert cpu_kernels
 
 
 def q8_0(w: np.ndarray) -> np.ndarray:
@@ -151,13 +151,14 @@ def test_engine_on_quantized_weights_matches_the_forward_pass_on_them():
     config = tiny_config()
     params = spread_params(config, seed=3)
     reference = with_q8_0_weights(params)
-    expected = {r.id: reference_greedy(config, reference, r.prompt, r.params.max_tokens) for r in greedy_requests()}
+    requests = greedy_requests()
+    expected = {r.id: reference_greedy(config, reference, r.prompt, r.params.max_tokens) for r in requests}
     mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
     engine = Engine(config, params, mesh, eos_ids=[EOS], max_slots=4, quantize="q8_0")
-    tokens, _ = run(engine, greedy_requests())
+    tokens, _ = run(engine, requests)
     assert tokens == expected
-    unquantized = {r.id: reference_greedy(config, params, r.prompt, r.params.max_tokens) for r in greedy_requests()}
-    assert unquantized != expected  # the quantized weights change some tokens: the engine did use them
+    # the quantized weights change some tokens: the engine did use them (the first request that differs shows it)
+    assert any(reference_greedy(config, params, r.prompt, r.params.max_tokens) != expected[r.id] for r in requests)
 
 
 def test_smollm2_on_quantized_weights_matches_float32_on_gguf_q8_0_weights(smollm2_float32_checkpoint):

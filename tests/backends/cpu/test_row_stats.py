@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllama.backends.cpu import library
 from jaxllama.backends.cpu.ops import CpuOps
 from jaxllama.backends.cpu.row_stats import row_stats
 from jaxllama.engine.request import SamplingParams
@@ -23,8 +22,8 @@ def logsumexp(x, axis):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def loaded(tmp_path_factory):
-    assert library.load(tmp_path_factory.mktemp("kernels"))
+def loaded(cpu_kernels):
+    assert cpu_kernels
 
 
 @pytest.mark.parametrize("rows, vocab", [(1, 5), (3, 8), (37, 1003), (64, 49152)])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-from jaxllama.backends.cpu import library, matmul
+from jaxllama.backends.cpu import matmul
 from jaxllama.backends.cpu.ops import CpuOps
 from jaxllama.core import blocks
 from jaxllama.core.config import ModelConfig
@@ -31,8 +31,8 @@ SHAPES = [(1, 64, 16), (3, 47, 17), (5, 96, 100), (70, 320, 200)]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def loaded(tmp_path_factory):
-    assert library.load(tmp_path_factory.mktemp("kernels"))
+def loaded(cpu_kernels):
+    assert cpu_kernels
 
 
 def to_blocks(w: np.ndarray, format: str, in_dims: int = 1) -> blocks.Blocks:
