@@ -3,6 +3,8 @@ OUT (complete-looking or otherwise) left behind."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import shutil
@@ -33,9 +35,20 @@ def run_converter(src, out, *args, prelude: str = ""):
     return proc.returncode, proc.stderr.strip().splitlines()
 
 
-def assert_fails(tmp_path, src, message, *args, prelude=""):
+def run_main(src, out):
+    """`main`, which the command runs on its arguments, in this process (a subprocess costs seconds of imports; the
+    tests that pass `command=True` run the command itself): its exit status and stderr lines."""
+    from converters.llama import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        main(str(src), str(out))
+    return e.value.code, err.getvalue().strip().splitlines()
+
+
+def assert_fails(tmp_path, src, message, prelude="", command=False):
     out = tmp_path / "out"
-    code, lines = run_converter(src, out, *args, prelude=prelude)
+    code, lines = run_converter(src, out, prelude=prelude) if command or prelude else run_main(src, out)
     assert code == 1, lines
     assert lines[-1].startswith("error: ") and message in lines[-1], lines[-1]
     assert not out.exists()
@@ -46,8 +59,8 @@ def assert_fails(tmp_path, src, message, *args, prelude=""):
 def test_not_a_checkpoint(tmp_path):
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "readme.txt").write_text("hello")
-    assert_fails(tmp_path, tmp_path / "junk", "not a Llama checkpoint")
-    assert_fails(tmp_path, tmp_path / "nowhere", "no such file or directory")
+    assert_fails(tmp_path, tmp_path / "junk", "not a Llama checkpoint", command=True)
+    assert_fails(tmp_path, tmp_path / "nowhere", "no such file or directory", command=True)
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +135,7 @@ def test_existing_output_is_kept(tmp_path, tiny_state):
     write_hf(Tiny(), tmp_path / "hf")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.txt").write_text("keep me")
-    code, lines = run_converter(tmp_path / "hf", tmp_path / "out")
+    code, lines = run_main(tmp_path / "hf", tmp_path / "out")
     assert code == 1 and "already exists" in lines[-1] and "--overwrite" in lines[-1]
     assert (tmp_path / "out" / "mine.txt").read_text() == "keep me"
 
