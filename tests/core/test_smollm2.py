@@ -1,7 +1,7 @@
 """The real SmolLM2-135M-Instruct (Q4_1 GGUF): converted to float32, its logits equal transformers' on the same GGUF;
 as converted by default (its Q4_1 weights requantized to Q8_0 blocks), they stay close."""
 
-import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -13,6 +13,14 @@ PROMPTS = [
     [504, 3458, 282, 4990, 314],
     [28, 253, 1345, 30, 1345, 30, 1345, 30, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29],
 ]
+
+
+def _batch(prompts):
+    """The prompts as one batch, zeros after the shorter ones (a position's logits see only the tokens before it), for
+    `sequence_logits` called as it is: its one-layer program, compiled for this shape once, runs each of the 30
+    layers (jitted whole, the model would compile as 30 layers, and again for each prompt's length)."""
+    n = max(map(len, prompts))
+    return jnp.asarray([p + [0] * (n - len(p)) for p in prompts])
 
 
 def _log_softmax(x):
@@ -29,9 +37,9 @@ def test_logits_match_transformers(smollm2_float32_checkpoint, transformers_smol
         3,
         True,
     )
-    f = jax.jit(sequence_logits, static_argnums=1)
-    for prompt in PROMPTS:
-        ours = np.asarray(f(params, config, np.array([prompt])))[0]
+    logits = np.asarray(sequence_logits(params, config, _batch(PROMPTS)))
+    for prompt, ours in zip(PROMPTS, logits, strict=True):
+        ours = ours[: len(prompt)]
         with torch.no_grad():
             ref = transformers_smollm2(torch.tensor([prompt])).logits[0].numpy()
         np.testing.assert_allclose(ours, ref, atol=2e-3, rtol=1e-4)
@@ -43,9 +51,9 @@ def test_the_default_conversion_stays_close_to_transformers(smollm2_checkpoint, 
     of 0.05 nats of the file's own (requantizing to Q4_0 instead would add as much error again as Q4_1 has)."""
     config, params = load_checkpoint(smollm2_checkpoint)
     assert {form for _, form in config.stored_as} == {"q8_0"} and len(config.stored_as) == 1 + 7 * config.n_layers
-    f = jax.jit(sequence_logits, static_argnums=1)
-    for prompt in PROMPTS:
-        ours = _log_softmax(np.asarray(f(params, config, np.array([prompt])))[0])
+    logits = np.asarray(sequence_logits(params, config, _batch(PROMPTS)))
+    for prompt, ours in zip(PROMPTS, logits, strict=True):
+        ours = _log_softmax(ours[: len(prompt)])
         with torch.no_grad():
             ref = _log_softmax(transformers_smollm2(torch.tensor([prompt])).logits[0].numpy())
         kl = (np.exp(ref) * (ref - ours)).sum(-1)
