@@ -71,6 +71,23 @@ def smollm2_float32_checkpoint(smollm2_path, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    """Our tokenizer for SmolLM2-135M-Instruct, built from its GGUF's vocabulary once per session (seconds)."""
+    from jaxllama.text.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def transformers_smollm2_tokenizer(smollm2_path):
+    """transformers' tokenizer from the same GGUF, the oracle, built once per session (seconds); a test that changes
+    it changes a copy."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+@pytest.fixture(scope="session")
 def transformers_smollm2(smollm2_path):
     """HF transformers' SmolLM2 from the same GGUF, in float32: the oracle for its logits."""
     import torch

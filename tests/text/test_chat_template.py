@@ -113,17 +113,10 @@ LLAMA2_SPECIALS = {"bos_token": "<s>", "eos_token": "</s>"}
 
 
 @pytest.fixture(scope="module")
-def smollm2_hf(smollm2_path: pathlib.Path) -> Any:
-    """transformers' tokenizer for SmolLM2-135M-Instruct (the oracle), read from its GGUF."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer(smollm2_path: pathlib.Path) -> Tokenizer:
-    """Our tokenizer for SmolLM2-135M-Instruct, read from the same GGUF."""
-    return load_tokenizer(smollm2_path)
+def smollm2_hf(transformers_smollm2_tokenizer: Any) -> Any:
+    """transformers' tokenizer for SmolLM2-135M-Instruct (the oracle), read from its GGUF (tests/conftest.py, as is
+    ours: `smollm2_tokenizer`)."""
+    return transformers_smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -62,8 +62,8 @@ def test_llama3_without_template_or_config_ends_on_eos_only(llama3_tokenizer) ->
     assert end_of_generation_ids(llama3_tokenizer, generation_config=None, template_text=None) == {128001}
 
 
-def test_smollm2_chatml_ends_on_im_end(smollm2_path: pathlib.Path) -> None:
-    tokenizer = load_tokenizer(smollm2_path)
+def test_smollm2_chatml_ends_on_im_end(smollm2_tokenizer) -> None:
+    tokenizer = smollm2_tokenizer
     assert tokenizer.token_to_id("<|im_end|>") == tokenizer.eos_id == 2
     ids = end_of_generation_ids(tokenizer, generation_config={}, template_text=BUILTIN_TEMPLATES["chatml"])
     assert ids == {2}

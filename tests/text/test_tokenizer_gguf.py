@@ -9,6 +9,7 @@ SmolLM2's published pre-tokenizer; `test_transformers_gguf_split_differs_only_be
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -59,11 +60,9 @@ def tokenizer(files) -> HFTokenizer:
 
 
 @pytest.fixture(scope="module")
-def transformers_gguf(smollm2_path):
-    """transformers' tokenizer built from the same GGUF file."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+def transformers_gguf(transformers_smollm2_tokenizer):
+    """transformers' tokenizer built from the same GGUF file (tests/conftest.py)."""
+    return transformers_smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +73,13 @@ def gpt2_split(transformers_gguf) -> tokenizers.Tokenizer:
 
 @pytest.fixture(scope="module")
 def reference(transformers_gguf, gpt2_split):
-    """transformers' GGUF tokenizer with SmolLM2's published pre-tokenizer (digits isolated first)."""
-    transformers_gguf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+    """transformers' GGUF tokenizer with SmolLM2's published pre-tokenizer (digits isolated first): a copy, the
+    session's stays as transformers built it."""
+    reference = copy.deepcopy(transformers_gguf)
+    reference.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
-    return transformers_gguf
+    return reference
 
 
 @pytest.fixture(scope="module")

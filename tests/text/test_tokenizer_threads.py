@@ -18,9 +18,9 @@ TEXT = "Llamas eat grass, hay and leaves; 12 of them ate 345 kg.\n" * 10_000  # 
 
 
 @pytest.fixture(scope="module", params=["hf", "tiktoken", "sentencepiece"])
-def tokenizer(request, smollm2_path, tmp_path_factory) -> Tokenizer:
+def tokenizer(request, tmp_path_factory) -> Tokenizer:
     if request.param == "hf":
-        return load_tokenizer(smollm2_path)
+        return request.getfixturevalue("smollm2_tokenizer")  # tests/conftest.py
     folder = tmp_path_factory.mktemp(request.param)
     if request.param == "tiktoken":
         (folder / "tokenizer.model").symlink_to(LLAMA3_TOKENIZER_MODEL / "tokenizer.model")
