@@ -34,7 +34,7 @@ def enable_compilation_cache(root: str | Path | None = None) -> Path:
     `engine/prepared.py`), so that loading the same model again only maps them."""
     global _programs, _prepared
     if root is None and _programs is not None:
-        return _programs.parent  # on already (where the application or a test session put it): kept there
+        return _programs.parent  # on already (where the application or a test run put it): kept there
     root = Path(root) if root else cache_dir()
     (root / "xla").mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(root / "xla"))
