@@ -142,9 +142,10 @@ class LLM:
         if keep_prepared is None:
             keep_prepared = os.environ.get("JAXLLAMA_KEEP_PREPARED", "1") != "0"
         kept = prepared_cache() if keep_prepared else None
+        digest = prepared.checkpoint_digest(Path(path)) if kept is not None and is_checkpoint(path) else None
         # Checked against the arrays stored before its sizes are trusted, unless weights prepared from this very
         # checkpoint are kept: it was checked then.
-        stored = load_config(path, check=not (is_checkpoint(path) and prepared.checked(kept, Path(path))))
+        stored = load_config(path, check=digest is None or not prepared.checked(kept, digest))
         config = stored.with_dtype(jnp.dtype(dtype).name) if dtype is not None else stored  # as restored
         mesh = make_mesh(config, mesh, param_bytes=stored_bytes(config))
         form = product_form(config)
@@ -156,7 +157,7 @@ class LLM:
         with ThreadPoolExecutor(2) as pool:
             text = pool.submit(_load_text, path, chat_template, eos_ids, extra_eos_ids)
             pool.submit(preload_imports)
-            params = prepared.restore(kept, Path(path), stored, mesh, dtype, ops)
+            params = prepared.restore(kept, digest, Path(path), stored, mesh, dtype, ops)
             tokenizer, template, eos = text.result()
         return cls(
             config,
