@@ -107,6 +107,26 @@ def test_version():
     assert jaxllama("--help").returncode == 0 and jaxllama().returncode == 2
 
 
+@pytest.mark.parametrize("exit_with, status, stderr", [("sys.exit(0)", 0, ""), ("sys.exit('refused')", 1, "refused")])
+def test_the_program_leaves_as_a_normal_exit_would(exit_with, status, stderr, tmp_path):
+    # `program` skips the interpreter's teardown (os._exit): threads at work are still waited for, exit functions
+    # still run, and what was written is flushed.
+    marker = tmp_path / "thread"
+    script = f"""
+import atexit, sys, threading, time
+from pathlib import Path
+from jaxllama import cli
+atexit.register(lambda: print("exit function ran"))
+threading.Thread(target=lambda: (time.sleep(0.5), Path({str(marker)!r}).write_text("done"))).start()
+sys.stdout.write("buffered ")
+cli.main = lambda: {exit_with}
+cli.program()
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr.strip()) == (status, "buffered exit function ran\n", stderr)
+    assert marker.read_text() == "done"
+
+
 def test_the_readme_shows_each_command_as_its_help_does():
     readme = " ".join(re.sub(r"#.*", "", README.read_text()).split())
     for name, fn in COMMANDS.items():

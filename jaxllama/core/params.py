@@ -24,8 +24,8 @@ from jaxllama.core.model import PRODUCT_IN_DIMS, Llama
 from jaxllama.core.sharding import logical_to_spec, named_sharding, rules_for
 
 
-def _init(config: ModelConfig, dtype, key):
-    return Llama(config, dtype).init(key)["params"]
+def _init(config: ModelConfig, dtype):
+    return Llama(config, dtype).init(jax.random.key(0))["params"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -34,7 +34,7 @@ def _boxed_abstract(config: ModelConfig, dtype_name: str):
     of one layer are traced and its layer repeated (tracing each layer's costs ~25 ms, seconds for an 80-layer
     model at every load)."""
     one = dataclasses.replace(config, n_layers=1)
-    boxed = jax.eval_shape(functools.partial(_init, one, jnp.dtype(dtype_name)), jax.random.key(0))
+    boxed = jax.eval_shape(functools.partial(_init, one, jnp.dtype(dtype_name)))  # the key traced too: no program
     out = {}
     for key, value in boxed.items():
         if key == "layers_0":

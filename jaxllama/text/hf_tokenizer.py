@@ -46,7 +46,7 @@ class HFTokenizer(Tokenizer):
         self.add_bos = bool(add_bos) if add_bos is not None else template_bos is not None
 
     def prepare(self) -> None:
-        """Build the copies plain text and chat messages are encoded with (~0.1 s each for a 49k vocabulary)."""
+        """Build the copies plain text and chat messages are encoded with (~0.2 s each for a 49k vocabulary)."""
         self._special_as_text, self._text_after_special  # noqa: B018 - cached properties, built on first access
 
     @property
@@ -89,7 +89,10 @@ class HFTokenizer(Tokenizer):
     @functools.cached_property
     def _text_after_special(self) -> tokenizers.Tokenizer:
         """A copy that encodes special-token text as ordinary text, and encodes text as it does after a special
-        token: a Metaspace pre-tokenizer that prepends "▁" only at the start of the text ("first") prepends none."""
+        token: a Metaspace pre-tokenizer that prepends "▁" only at the start of the text ("first") prepends none.
+        Where the pre-tokenizer has no such step (byte-level ones: Llama 3, SmolLM2), `_special_as_text` itself."""
+        if not _prepend_never(_component(self._tokenizer.pre_tokenizer)):
+            return self._special_as_text
         config = json.loads(self._json)
         _prepend_never(config.get("pre_tokenizer"))
         tokenizer = tokenizers.Tokenizer.from_str(json.dumps(config))
@@ -98,7 +101,7 @@ class HFTokenizer(Tokenizer):
 
     def _template_bos_eos(self) -> tuple[str | None, str | None]:
         """The special tokens the post-processor's single-sequence template puts first / last."""
-        template = _find_template(json.loads(self._json).get("post_processor"))
+        template = _find_template(_component(self._tokenizer.post_processor))
         if template is None:
             return None, None
         single = template["single"]
@@ -130,14 +133,23 @@ def _token_text(value: str | dict | None) -> str | None:
     return value
 
 
-def _prepend_never(pre_tokenizer: dict | None) -> None:
-    """Turn Metaspace's prepend_scheme "first" into "never", in a pre-tokenizer config or a Sequence of them."""
+def _component(part) -> dict | None:
+    """The config of one part of a tokenizer (its pre-tokenizer, post-processor, ...), as tokenizer.json has it: read
+    from the part alone, not by parsing the whole file again (megabytes, for a vocabulary's merges)."""
+    return None if part is None else json.loads(part.__getstate__())
+
+
+def _prepend_never(pre_tokenizer: dict | None) -> bool:
+    """Turn Metaspace's prepend_scheme "first" into "never", in a pre-tokenizer config or a Sequence of them.
+    Returns whether there was one."""
     if pre_tokenizer is None:
-        return
-    if pre_tokenizer.get("type") == "Metaspace" and pre_tokenizer.get("prepend_scheme") == "first":
+        return False
+    changed = pre_tokenizer.get("type") == "Metaspace" and pre_tokenizer.get("prepend_scheme") == "first"
+    if changed:
         pre_tokenizer["prepend_scheme"] = "never"
     for inner in pre_tokenizer.get("pretokenizers", []):
-        _prepend_never(inner)
+        changed = _prepend_never(inner) or changed
+    return changed
 
 
 def _find_template(processor: dict | None) -> dict | None:

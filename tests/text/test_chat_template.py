@@ -438,6 +438,16 @@ def test_split_at_the_markup_encodes_as_the_tokenizer_does(
         assert tokenizer.encode_with_specials(text, specials) == tokenizer.encode(text, allow_special=True)
 
 
+def test_a_byte_level_tokenizer_encodes_text_after_markup_with_its_plain_text_copy(
+    smollm2_tokenizer: Tokenizer, tmp_path: pathlib.Path
+) -> None:
+    """Each copy is built from tokenizer.json while the model loads (~0.2 s each for a 49k vocabulary): a third one
+    only where text after a special token encodes otherwise (Metaspace prepending at the start only)."""
+    assert smollm2_tokenizer._text_after_special is smollm2_tokenizer._special_as_text
+    metaspace = metaspace_first_tokenizer(tmp_path)
+    assert metaspace._text_after_special is not metaspace._special_as_text
+
+
 def test_other_message_fields_stay_text(llama3_tokenizer: Tokenizer) -> None:
     tokenizer = llama3_tokenizer
     source = (
