@@ -1,9 +1,10 @@
-"""The Llama decoder as Flax (Linen) modules, run as pure functions over a params pytree.
+"""The Llama decoder, as pure functions over a params pytree.
 
-Every parameter is declared once, here, with its shape, initializer and logical axes
-(`nn.with_logical_partitioning`); shapes, shardings and random init all derive from these declarations
-(see `params.py`). Layers are unrolled, one weight set each: XLA:CPU runs a `lax.scan` over stacked layers
-several times slower (benchmarks/README.md).
+Every parameter is declared once, here (`declarations`: its shape, logical axes and initializer); shapes, shardings
+and random init all derive from these declarations (`params.py`; the Flax module of `linen.py` declares them to
+Flax). They are plain data, so that loading a model derives its layout without importing or tracing Flax. Layers
+are unrolled, one weight set each: XLA:CPU runs a `lax.scan` over stacked layers several times slower
+(benchmarks/README.md).
 
 The math is written in the operations of an `Ops` value (`ops.py`): XLA's by default, a backend's where the engine
 chose one. Weights are stored (out, in), as PyTorch's `Linear` and every source format store them, so no converter
@@ -24,8 +25,8 @@ cache as long as the bucket) and a decode step (one token per row, each row at i
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,14 +93,9 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     return rotated.reshape(x.shape).astype(x.dtype)
 
 
-def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], dtype, init=None):
-    init = init or nn.initializers.normal(stddev=0.02)
-    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
-
-
 # ---- the math: pure functions over (sub)trees of params --------------------------------------------
-# `forward` runs these directly over the params pytree; the Linen modules below only declare the
-# parameters and call the same functions (tracing through Linen's `apply` costs more per compile).
+# `forward` runs these directly over the params pytree (no module's `apply`: tracing through Linen's costs more per
+# compile).
 
 
 def rms_norm(p, x: jax.Array, eps: float) -> jax.Array:
@@ -192,80 +188,41 @@ def llama(params, c: ModelConfig, tokens, positions, cache: KVCache, logits_at=N
     return head(params, c, x, logits_at, ops), cache
 
 
-# ---- the declarations: every parameter's shape, initializer and logical axes ------------------------
-# Each module, called, declares its parameters and returns them as a dict shaped like its part of the
-# params tree; `Llama` returns the whole tree. Initialization (params.py) traces `Llama`.
+# ---- the declarations: every parameter's shape, logical axes and initializer -------------------------
 
 
-class RMSNorm(nn.Module):
-    config: ModelConfig
-    dtype: jnp.dtype = jnp.float32
+class Declared(NamedTuple):
+    """One parameter: its shape, its logical axes (`sharding.py` maps them onto a mesh), and its random init: "normal"
+    (normal, stddev 0.02) or "ones"."""
 
-    @nn.compact
-    def __call__(self) -> dict:
-        return {"scale": _param(self, "scale", (self.config.dim,), ("norm",), self.dtype, nn.initializers.ones)}
-
-
-class Attention(nn.Module):
-    config: ModelConfig
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self) -> dict:
-        c = self.config
-        return {
-            "wq": _param(self, "wq", (c.n_heads, c.head_dim, c.dim), ("heads", "head_dim", "embed"), self.dtype),
-            "wk": _param(self, "wk", (c.n_kv_heads, c.head_dim, c.dim), ("kv_heads", "head_dim", "embed"), self.dtype),
-            "wv": _param(self, "wv", (c.n_kv_heads, c.head_dim, c.dim), ("kv_heads", "head_dim", "embed"), self.dtype),
-            "wo": _param(self, "wo", (c.dim, c.n_heads, c.head_dim), ("embed", "heads", "head_dim"), self.dtype),
-        }
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    init: str = "normal"
 
 
-class MLP(nn.Module):
-    config: ModelConfig
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self) -> dict:
-        c = self.config
-        return {
-            "w1": _param(self, "w1", (c.ffn_dim, c.dim), ("mlp", "embed"), self.dtype),  # gate
-            "w3": _param(self, "w3", (c.ffn_dim, c.dim), ("mlp", "embed"), self.dtype),  # up
-            "w2": _param(self, "w2", (c.dim, c.ffn_dim), ("embed", "mlp"), self.dtype),  # down
-        }
-
-
-class Block(nn.Module):
-    config: ModelConfig
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self) -> dict:
-        c, dtype = self.config, self.dtype
-        return {
-            "attention_norm": RMSNorm(c, dtype, name="attention_norm")(),
-            "attention": Attention(c, dtype, name="attention")(),
-            "mlp_norm": RMSNorm(c, dtype, name="mlp_norm")(),
-            "mlp": MLP(c, dtype, name="mlp")(),
-        }
-
-
-class Llama(nn.Module):
-    """The whole model's params tree; `llama` / `forward` run it. Declaring runs no math: tracing the
-    declarations (every checkpoint load derives its layout from them) costs a fraction of a forward pass's trace."""
-
-    config: ModelConfig
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self) -> dict:
-        c, dtype = self.config, self.dtype
-        params = {"embedding": _param(self, "embedding", (c.vocab_size, c.dim), ("vocab", "embed"), dtype)}
-        params |= {f"layers_{i}": Block(c, dtype, name=f"layers_{i}")() for i in range(c.n_layers)}
-        params["norm"] = RMSNorm(c, dtype, name="norm")()
-        if not c.tie_embeddings:
-            params["output"] = _param(self, "output", (c.vocab_size, c.dim), ("vocab", "embed"), dtype)
-        return params
+def declarations(c: ModelConfig) -> dict[str, Declared]:
+    """Every parameter of a model of config `c`, by flat name ("layers_0/attention/wq"), in the order they are
+    declared (the order Flax draws their random values in: `linen.py`); `params.param_layout` has them in the
+    order of the params pytree's leaves."""
+    norm = Declared((c.dim,), ("norm",), "ones")
+    layer = {
+        "attention_norm/scale": norm,
+        "attention/wq": Declared((c.n_heads, c.head_dim, c.dim), ("heads", "head_dim", "embed")),
+        "attention/wk": Declared((c.n_kv_heads, c.head_dim, c.dim), ("kv_heads", "head_dim", "embed")),
+        "attention/wv": Declared((c.n_kv_heads, c.head_dim, c.dim), ("kv_heads", "head_dim", "embed")),
+        "attention/wo": Declared((c.dim, c.n_heads, c.head_dim), ("embed", "heads", "head_dim")),
+        "mlp_norm/scale": norm,
+        "mlp/w1": Declared((c.ffn_dim, c.dim), ("mlp", "embed")),  # gate
+        "mlp/w3": Declared((c.ffn_dim, c.dim), ("mlp", "embed")),  # up
+        "mlp/w2": Declared((c.dim, c.ffn_dim), ("embed", "mlp")),  # down
+    }
+    flat = {"embedding": Declared((c.vocab_size, c.dim), ("vocab", "embed"))}
+    for i in range(c.n_layers):
+        flat |= {f"layers_{i}/{name}": d for name, d in layer.items()}
+    flat["norm/scale"] = norm
+    if not c.tie_embeddings:
+        flat["output"] = Declared((c.vocab_size, c.dim), ("vocab", "embed"))
+    return flat
 
 
 def empty_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:

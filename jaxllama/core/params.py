@@ -1,6 +1,6 @@
 """What the parameters are: shapes, dtypes, logical axes and shardings, all derived from the
 declarations in `model.py` (never written down twice), and how a checkpoint stores each of them, derived from its
-config (`ModelConfig.form`).
+config (`ModelConfig.form`). Random init goes through Flax (`linen.py`), imported only then.
 
 A weight stored as blocks (`core/blocks.py`) is two arrays in a checkpoint, `NAME/quants` and `NAME/scales`, and a
 `Blocks` once restored. Its quants and scales are split like the weight's out axes; along its inputs where the mesh
@@ -9,10 +9,8 @@ axis of its first input axis leaves each device whole blocks (`wo` over heads, `
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,44 +18,33 @@ from jax.sharding import Mesh
 
 from jaxllama.core.blocks import BLOCK, Blocks
 from jaxllama.core.config import BLOCK_FORMATS, ModelConfig
-from jaxllama.core.model import PRODUCT_IN_DIMS, Llama
+from jaxllama.core.model import PRODUCT_IN_DIMS, declarations
 from jaxllama.core.sharding import logical_to_spec, named_sharding, rules_for
 
 
-def _init(config: ModelConfig, dtype):
-    return Llama(config, dtype).init(jax.random.key(0))["params"]
-
-
 @functools.lru_cache(maxsize=16)
-def _boxed_abstract(config: ModelConfig, dtype_name: str):
-    """The declared params' shapes and logical axes. Every layer declares the same params: the declarations of a model
-    of one layer are traced and its layer repeated (tracing each layer's costs ~25 ms, seconds for an 80-layer
-    model at every load)."""
-    one = dataclasses.replace(config, n_layers=1)
-    boxed = jax.eval_shape(functools.partial(_init, one, jnp.dtype(dtype_name)))  # the key traced too: no program
-    out = {}
-    for key, value in boxed.items():
-        if key == "layers_0":
-            out |= {f"layers_{i}": value for i in range(config.n_layers)}
-        else:
-            out[key] = value
-    return out
-
-
-def _is_boxed(x) -> bool:
-    return isinstance(x, nn.LogicallyPartitioned)
-
-
 def param_layout(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-    """Flat {'layers_0/attention/wq': (shape, logical_axes)} for every parameter."""
-    boxed = _boxed_abstract(config, "float32")
-    flat = jax.tree_util.tree_flatten_with_path(boxed, is_leaf=_is_boxed)[0]
-    return {"/".join(k.key for k in path): (tuple(leaf.value.shape), tuple(leaf.names)) for path, leaf in flat}
+    """Flat {'layers_0/attention/wq': (shape, logical_axes)} for every parameter, in the order of the params
+    pytree's leaves (each level's names sorted, as jax orders a dict's keys)."""
+    declared = declarations(config)
+    return {name: declared[name][:2] for name in sorted(declared, key=lambda name: name.split("/"))}
+
+
+def _tree(config: ModelConfig, leaf) -> dict:
+    """The params pytree's shape, with `leaf(name, shape, axes)` at each parameter."""
+    tree: dict = {}
+    for name, (shape, axes) in param_layout(config).items():
+        node = tree
+        *folders, last = name.split("/")
+        for folder in folders:
+            node = node.setdefault(folder, {})
+        node[last] = leaf(name, shape, axes)
+    return tree
 
 
 def logical_axes(config: ModelConfig):
     """Pytree (like params) of logical axis-name tuples."""
-    return jax.tree.map(lambda b: tuple(b.names), _boxed_abstract(config, "float32"), is_leaf=_is_boxed)
+    return _tree(config, lambda name, shape, axes: axes)
 
 
 def param_shardings(config: ModelConfig, mesh: Mesh):
@@ -71,15 +58,9 @@ def param_shardings(config: ModelConfig, mesh: Mesh):
 
 def abstract_params(config: ModelConfig, dtype, mesh: Mesh | None = None):
     """Pytree of ShapeDtypeStruct (with shardings when `mesh` is given): the target for a restore."""
-    boxed = _boxed_abstract(config, jnp.dtype(dtype).name)
-    shapes = jax.tree.map(lambda b: b.value, boxed, is_leaf=_is_boxed)
-    if mesh is None:
-        return shapes
-    return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        shapes,
-        param_shardings(config, mesh),
-    )
+    dtype = jnp.dtype(dtype)
+    sharding = (lambda axes: None) if mesh is None else (lambda axes: named_sharding(mesh, config, axes))
+    return _tree(config, lambda name, shape, axes: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(axes)))
 
 
 def block_in_dims(name: str) -> int | None:
@@ -158,14 +139,7 @@ def abstract_stored(config: ModelConfig, mesh: Mesh | None = None):
         sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec[:-1], split))
         return {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for k, s in parts.items()}
 
-    tree: dict = {}
-    for name in layout:
-        node = tree
-        *parents, last = name.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = leaf(name)
-    return tree
+    return _tree(config, lambda name, shape, axes: leaf(name))
 
 
 def as_blocks(tree: dict, config: ModelConfig) -> dict:
@@ -195,8 +169,13 @@ def product_form(config: ModelConfig) -> str:
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, mesh: Mesh | None = None):
     """Random parameters (normal(0.02) weights, unit norms), sharded on `mesh` when given."""
-    init = functools.partial(_init, config, jnp.dtype(dtype))
+    import flax.linen as nn
+
+    from jaxllama.core.linen import Llama
+
+    def init(key):
+        return nn.meta.unbox(Llama(config, dtype).init(key)["params"])
+
     if mesh is None:
-        return nn.meta.unbox(jax.jit(init)(key))
-    shardings = param_shardings(config, mesh)
-    return jax.jit(lambda k: nn.meta.unbox(init(k)), out_shardings=shardings)(key)
+        return jax.jit(init)(key)
+    return jax.jit(init, out_shardings=param_shardings(config, mesh))(key)
