@@ -159,18 +159,20 @@ def _uncompressed():
     return context
 
 
-def _tmp_prefix(out_dir: Path) -> str:
-    return f".{out_dir.name}.tmp-"
+def temporary_path(out_dir: Path) -> Path:
+    """Where a writer of `out_dir` writes before renaming it into place: `.NAME.tmp-PID-RANDOM` beside it, so that
+    `remove_stale_tmp` can tell a writer at work (its process running) from one that was killed."""
+    return out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def remove_stale_tmp(out_dir: str | Path) -> list[Path]:
     """Remove the temporary folders of writers of `out_dir` that are gone (killed before they could clean up):
-    those whose name carries the id of no running process, or none (written before names carried one).
-    Returns what was removed."""
+    those whose name carries the id of no running process, or none (written before names carried one). `out_dir`'s
+    name may be a glob pattern ("*": the writers of every folder beside it). Returns what was removed."""
     out_dir = Path(out_dir)
     removed = []
-    for tmp in out_dir.parent.glob(f"{_tmp_prefix(out_dir)}*"):
-        owner = tmp.name.removeprefix(_tmp_prefix(out_dir)).split("-")[0]
+    for tmp in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+        owner = tmp.name.rpartition(".tmp-")[2].split("-")[0]
         if owner.isdigit() and process_alive(int(owner)):
             continue  # a writer at work, maybe another conversion racing for the same name
         shutil.rmtree(tmp, ignore_errors=True)
@@ -212,7 +214,7 @@ class CheckpointWriter:
         self.layout = param_layout(config)
         self.arrays = stored_arrays_of(config)
         remove_stale_tmp(self.out_dir)
-        self.tmp = self.out_dir.with_name(f"{_tmp_prefix(self.out_dir)}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.tmp = temporary_path(self.out_dir)
         self.tmp.mkdir(parents=True)
         self.written: set[str] = set()
         self.committed = False

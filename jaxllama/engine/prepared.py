@@ -25,7 +25,6 @@ import os
 import pickle
 import shutil
 import time
-import uuid
 from pathlib import Path
 
 import jax
@@ -33,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from jaxllama.core.checkpoint import PARAMS_DIR, load_checkpoint, process_alive
+from jaxllama.core.checkpoint import PARAMS_DIR, load_checkpoint, remove_stale_tmp, temporary_path
 from jaxllama.core.config import CONFIG_FILE, ModelConfig
 from jaxllama.engine.programs import source_digest
 
@@ -125,7 +124,7 @@ def save(root: Path, name: str, params) -> None:
     """Keep `params` (arrays on one CPU device) as entry `name`, then remove the entries beyond KEEP. A failure (a full
     disk, a read-only cache) is logged and costs only the next load's time."""
     arrays, treedef = jax.tree.flatten(params)
-    tmp = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = temporary_path(root / name)
     start = time.perf_counter()
     try:
         tmp.mkdir(parents=True)
@@ -156,7 +155,4 @@ def _evict(root: Path) -> None:
     entries = sorted(root.glob(f"*/{INDEX}"), key=lambda p: p.stat().st_mtime, reverse=True)
     for index in entries[KEEP:]:
         shutil.rmtree(index.parent, ignore_errors=True)
-    for tmp in root.glob(".*.tmp-*"):
-        pid = tmp.name.rpartition(".tmp-")[2].split("-")[0]
-        if pid.isdigit() and not process_alive(int(pid)):
-            shutil.rmtree(tmp, ignore_errors=True)
+    remove_stale_tmp(root / "*")
