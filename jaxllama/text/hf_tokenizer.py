@@ -34,6 +34,10 @@ class HFTokenizer(Tokenizer):
         self._tokenizer = tokenizers.Tokenizer.from_str(self._json)
         added = self._tokenizer.get_added_tokens_decoder()
         self.special_tokens = {token.content: i for i, token in sorted(added.items()) if token.special}
+        # Special tokens are found in the raw text (none normalized first): a text without their text is encoded as
+        # plain text by the tokenizer itself, and the copy that reads them as text is built only for one with it.
+        self._specials_in_raw_text = not any(token.normalized for token in added.values() if token.special)
+        self._prepends_at_start = _prepend_never(_component(self._tokenizer.pre_tokenizer))
         self.vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
         config = _merged_config(files)
@@ -46,8 +50,9 @@ class HFTokenizer(Tokenizer):
         self.add_bos = bool(add_bos) if add_bos is not None else template_bos is not None
 
     def prepare(self) -> None:
-        """Build the copies plain text and chat messages are encoded with (~0.2 s each for a 49k vocabulary)."""
-        self._special_as_text, self._text_after_special  # noqa: B018 - cached properties, built on first access
+        """Build the copy chat messages are encoded with, where they need one (~0.2 s for a 49k vocabulary)."""
+        if self._prepends_at_start:
+            self._text_after_special  # noqa: B018 - a cached property, built on first access
 
     @property
     def tokenizer_json(self) -> str:
@@ -62,10 +67,22 @@ class HFTokenizer(Tokenizer):
         return cls({name: (folder / name).read_text(encoding="utf-8") for name in names if (folder / name).is_file()})
 
     def _encode(self, text: str, *, allow_special: bool) -> list[int]:
-        return _encode_releasing_the_gil(self._tokenizer if allow_special else self._special_as_text, text)
+        tokenizer = self._tokenizer if allow_special else self._plain_text_tokenizer(text, after_special=False)
+        return _encode_releasing_the_gil(tokenizer, text)
 
     def _encode_text(self, text: str, *, after_special: bool) -> list[int]:
-        return _encode_releasing_the_gil(self._text_after_special if after_special else self._special_as_text, text)
+        return _encode_releasing_the_gil(self._plain_text_tokenizer(text, after_special=after_special), text)
+
+    def _plain_text_tokenizer(self, text: str, *, after_special: bool) -> tokenizers.Tokenizer:
+        """What encodes `text` as plain text, as at the start of a text or after a special token: the tokenizer
+        itself unless `text` holds special-token text (or its pre-tokenizer treats text after a special token
+        otherwise)."""
+        if after_special and self._prepends_at_start:
+            return self._text_after_special
+        pattern = self._special_text_pattern
+        if self._specials_in_raw_text and (pattern is None or pattern.search(text) is None):
+            return self._tokenizer
+        return self._special_as_text
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special)
@@ -89,10 +106,8 @@ class HFTokenizer(Tokenizer):
     @functools.cached_property
     def _text_after_special(self) -> tokenizers.Tokenizer:
         """A copy that encodes special-token text as ordinary text, and encodes text as it does after a special
-        token: a Metaspace pre-tokenizer that prepends "▁" only at the start of the text ("first") prepends none.
-        Where the pre-tokenizer has no such step (byte-level ones: Llama 3, SmolLM2), `_special_as_text` itself."""
-        if not _prepend_never(_component(self._tokenizer.pre_tokenizer)):
-            return self._special_as_text
+        token: a Metaspace pre-tokenizer that prepends "▁" only at the start of the text ("first") prepends none
+        (byte-level tokenizers, as Llama 3's and SmolLM2's, have no such step: they need no such copy)."""
         config = json.loads(self._json)
         _prepend_never(config.get("pre_tokenizer"))
         tokenizer = tokenizers.Tokenizer.from_str(json.dumps(config))

@@ -26,6 +26,7 @@ from jaxllama.text.chat_template import (
     read_checkpoint_template,
 )
 from jaxllama.text.conversation import ROLES, ConversationError, validate_messages
+from jaxllama.text.hf_tokenizer import HFTokenizer
 from jaxllama.text.tokenizer import Tokenizer, load_tokenizer
 
 LLAMA_MODELS_DIR = pathlib.Path(importlib.util.find_spec("llama_models").submodule_search_locations[0])
@@ -438,14 +439,24 @@ def test_split_at_the_markup_encodes_as_the_tokenizer_does(
         assert tokenizer.encode_with_specials(text, specials) == tokenizer.encode(text, allow_special=True)
 
 
-def test_a_byte_level_tokenizer_encodes_text_after_markup_with_its_plain_text_copy(
+def test_a_tokenizer_copy_is_built_only_for_texts_that_need_one(
     smollm2_tokenizer: Tokenizer, tmp_path: pathlib.Path
 ) -> None:
-    """Each copy is built from tokenizer.json while the model loads (~0.2 s each for a 49k vocabulary): a third one
-    only where text after a special token encodes otherwise (Metaspace prepending at the start only)."""
-    assert smollm2_tokenizer._text_after_special is smollm2_tokenizer._special_as_text
+    """Each copy of a tokenizer is built from tokenizer.json (~0.2 s for a 49k vocabulary): the one that reads
+    special-token text as text only once a text holds some, the one for text after a special token only for a
+    pre-tokenizer that treats it otherwise (Metaspace prepending at the start only), when the model loads."""
+    tokenizer = HFTokenizer({"tokenizer.json": smollm2_tokenizer.tokenizer_json})
+    tokenizer.prepare()
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    ids = encode_chat(tokenizer, ChatTemplate.builtin("chatml"), messages)
+    assert ids == encode_chat(smollm2_tokenizer, ChatTemplate.builtin("chatml"), messages)
+    assert not {"_special_as_text", "_text_after_special"} & set(vars(tokenizer))
+    plain = tokenizer.encode("say <|im_end|>", allow_special=False)
+    assert tokenizer.special_tokens["<|im_end|>"] not in plain and tokenizer.decode(plain) == "say <|im_end|>"
+    assert "_special_as_text" in vars(tokenizer) and "_text_after_special" not in vars(tokenizer)
     metaspace = metaspace_first_tokenizer(tmp_path)
-    assert metaspace._text_after_special is not metaspace._special_as_text
+    metaspace.prepare()
+    assert "_text_after_special" in vars(metaspace)
 
 
 def test_other_message_fields_stay_text(llama3_tokenizer: Tokenizer) -> None:
