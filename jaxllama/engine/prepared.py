@@ -43,20 +43,24 @@ KEEP = 3  # entries kept: each is the size of its model's prepared weights
 WEIGHTS, INDEX = "weights.bin", "index.pkl"
 
 
-def restore(root: Path | None, digest: str | None, checkpoint: Path, config: ModelConfig, mesh, dtype, ops) -> dict:
-    """The params of `checkpoint` (whose `config` was checked: `load_config`; `digest`: its `checkpoint_digest`)
-    restored onto `mesh` in `dtype` and prepared by `ops` (`load_checkpoint`), or mapped from the entry in `root` made
-    by an earlier such load, which is made now where there is none. `root` or `digest` None, a backend that does not
-    prepare host arrays, or more than one device or process: restored and prepared, nothing kept."""
+def restore(root: Path | None, name: str | None, checkpoint: Path, config: ModelConfig, mesh, dtype, ops) -> dict:
+    """The params of `checkpoint` (whose `config` was checked: `load_config`) restored onto `mesh` in `dtype` and
+    prepared by `ops` (`load_checkpoint`), or mapped from entry `name` (`entry_name`) in `root` made by an earlier
+    such load, which is made now where there is none. `root` or `name` None, a backend that does not prepare host
+    arrays, or more than one device or process: restored and prepared, nothing kept."""
     prepare = lambda part: ops.prepare(part, config.with_dtype(jnp.dtype(dtype).name) if dtype else config)
-    if root is None or digest is None or not ops.prepared_on_host or mesh.size != 1 or jax.process_count() != 1:
+    if root is None or name is None or not ops.prepared_on_host or mesh.size != 1 or jax.process_count() != 1:
         return load_checkpoint(checkpoint, mesh=mesh, dtype=dtype, prepare=prepare, config=config)[1]
-    name = f"{digest}-{backend_digest(ops, dtype)}"
     params = load(root, name, mesh)
     if params is None:
         params = load_checkpoint(checkpoint, mesh=mesh, dtype=dtype, prepare=prepare, config=config)[1]
         save(root, name, params)
     return params
+
+
+def entry_name(digest: str, ops, dtype) -> str:
+    """The entry of the weights of the checkpoint of `checkpoint_digest` `digest` prepared by `ops` in `dtype`."""
+    return f"{digest}-{backend_digest(ops, dtype)}"
 
 
 def checkpoint_digest(checkpoint: Path) -> str:
