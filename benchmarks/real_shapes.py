@@ -10,7 +10,7 @@ shape do not depend on its weights' values):
 - `jaxllama run JOB --model CKPT RUN_ARGS` twice (cold: compilation cache empty; warm), peak RSS and output tok/s;
 - load: `jaxllama run` of the job's first line with max_tokens 1, its programs compiled by a first such run: the
   whole process, start to exit;
-- one request at a time: the first N lines with `--max-batch 1`;
+- one request at a time: the first N lines with `--max-batch 1`, its programs compiled by a short such run first;
 - llama.cpp: `llama-server -np 32` on the whole job (its requests sent at once) and `-np 1` on the first N lines
   (`benchmarks.peers llamaserver`); load: start to health check passed.
 Each system runs alone, in its own process. llama.cpp spin-waits: run this on an otherwise idle machine.
@@ -85,7 +85,9 @@ def shape(job: Path, gguf: Path, server: str, one_at_a_time: int, run_args: list
         _jaxllama(one_token, checkpoint, work, env, run_args)  # compiles its own shapes' programs
         load = _jaxllama(one_token, checkpoint, work, env, run_args)
         alone_job = _first_lines(job, one_at_a_time, work)
-        alone = _jaxllama(alone_job, checkpoint, work, env, [*run_args, "--max-batch", "1"])
+        alone_args = [*run_args, "--max-batch", "1"]
+        _jaxllama(_first_lines(job, one_at_a_time, work, max_tokens=4), checkpoint, work, env, alone_args)  # compiles
+        alone = _jaxllama(alone_job, checkpoint, work, env, alone_args)
         batch_peer = _server(job, gguf, server, 32)
         alone_peer = _server(alone_job, gguf, server, 1)
         return {
