@@ -49,11 +49,7 @@ def logical_axes(config: ModelConfig):
 
 def param_shardings(config: ModelConfig, mesh: Mesh):
     """Pytree (like params) of NamedSharding on `mesh`."""
-    return jax.tree.map(
-        lambda axes: named_sharding(mesh, config, axes),
-        logical_axes(config),
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
+    return _tree(config, lambda name, shape, axes: named_sharding(mesh, config, axes))
 
 
 def abstract_params(config: ModelConfig, dtype, mesh: Mesh | None = None):
@@ -117,11 +113,9 @@ def abstract_stored(config: ModelConfig, mesh: Mesh | None = None):
     """Pytree of ShapeDtypeStruct (with shardings when `mesh` is given) of the arrays a checkpoint of `config`
     holds, shaped like params, a {"quants", "scales"} dict in place of each weight stored as blocks: the target of a
     restore (`as_blocks` turns the dicts into `Blocks`)."""
-    layout = param_layout(config)
     rules = rules_for(config, mesh) if mesh is not None else None
 
-    def leaf(name):
-        shape, axes = layout[name]
+    def leaf(name, shape, axes):
         form = config.form(name)
         if form not in BLOCK_FORMATS:
             sharding = None if mesh is None else named_sharding(mesh, config, axes)
@@ -139,7 +133,7 @@ def abstract_stored(config: ModelConfig, mesh: Mesh | None = None):
         sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec[:-1], split))
         return {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for k, s in parts.items()}
 
-    return _tree(config, lambda name, shape, axes: leaf(name))
+    return _tree(config, leaf)
 
 
 def as_blocks(tree: dict, config: ModelConfig) -> dict:
