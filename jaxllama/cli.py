@@ -1,4 +1,5 @@
-"""The `jaxllama` command: `run` a batch job, `serve` the OpenAI API, `info` about a checkpoint, `chat` in the terminal.
+"""The `jaxllama` command: `run` a batch job, `serve` the OpenAI API, `info` about a checkpoint, `chat` in the terminal,
+`compile` the engine for a target (a TPU slice) to see whether a model fits and how fast it would run.
 
 jaxllama run jobs/eval.jsonl [--model PATH] [--output OUT.jsonl] ...
 jaxllama serve [--model PATH] [--host 127.0.0.1] [--port 8000] ...
@@ -307,6 +308,71 @@ def serve(
     uvicorn.run(app, host=host, port=int(port), log_level=log_level)
 
 
+def compile(
+    *,
+    model: str | None = None,
+    topology: str | None = None,
+    mesh: str | None = None,
+    max_batch: int = 64,
+    max_context: int | None = None,
+    dtype: str | None = None,
+    quantize: str | None = None,
+    kv_cache_dtype: str | None = None,
+    prefill=None,
+    json: bool = False,
+):
+    """Compile the engine for a target, without weights or the target's hardware, and say whether the model fits and
+    how fast a decode step would run: memory per device, flops, HBM traffic, the compiler's cycle estimate and the
+    collectives of every program, against the ideal step (weights and live KV cache per device / HBM bandwidth).
+
+    Args:
+      model: a known shape (smollm2-135m, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, llama-3.1-70b, llama-3.1-405b)
+        or a checkpoint (only its config is read); default: the default model.
+      topology: a TPU slice to compile for on this host, e.g. v5e:2x4, v5e:4x4, v6e:2x4, v5p:2x2x2 (needs libtpu:
+        pip install -e '.[tpu]'); default: this machine's devices.
+      mesh: device mesh, e.g. data=1,model=8 (default: of those that fit, the one whose decode step reads the
+        fewest bytes per device).
+      max_batch: decode slots.
+      max_context: context in positions (default: on an accelerator the longest that fits, at most the model's).
+      dtype: float32, bfloat16 or float16: every weight in it (default: the checkpoint's; bfloat16 for a shape).
+      quantize: q8_0 or q4_0: every product's weight stored as llama.cpp's blocks.
+      kv_cache_dtype: float32, float16 or bfloat16 (default: the weights').
+      prefill: the prefills to compile, ROWSxTOKENS separated by commas (default: 1xCONTEXT-1,8x512).
+      json: print the report as one JSON object.
+    """
+    import json as json_module
+
+    from jaxllama.llm import LLM
+
+    _log_to_stderr(logging.INFO)
+    try:
+        prefills = [_rows_by_tokens(p) for p in _as_list(prefill) for p in p.split(",") if p] or None
+        report = LLM.compile_for(
+            model,
+            topology=topology,
+            mesh=mesh,
+            max_slots=int(max_batch),
+            max_context=max_context,
+            dtype=dtype,
+            quantize=quantize,
+            kv_cache_dtype=kv_cache_dtype,
+            prefills=prefills,
+        )
+    except LOAD_ERRORS as e:
+        _fail(str(e))
+    print(json_module.dumps(report.to_json(), indent=1) if json else report.table())
+    if not report.fits:
+        print("error: the model does not fit the target's devices (see the memory per device above)", file=sys.stderr)
+        sys.exit(1)
+
+
+def _rows_by_tokens(text: str) -> tuple[int, int]:
+    rows, x, tokens = text.strip().partition("x")
+    if not (x and rows.isdigit() and tokens.isdigit()):
+        raise ValueError(f"--prefill {text!r}: expected ROWSxTOKENS, e.g. 8x512")
+    return int(rows), int(tokens)
+
+
 def info(path: str | None = None):
     """Describe a checkpoint: config, parameter count, dtype, tokenizer, chat template, end-of-generation ids.
 
@@ -408,7 +474,7 @@ def _fail(message: str):
     sys.exit(2)
 
 
-COMMANDS = {"run": run, "serve": serve, "info": info, "chat": chat}
+COMMANDS = {"run": run, "serve": serve, "info": info, "chat": chat, "compile": compile}
 
 # How --help and the README write the value of an argument without a default (one with a default shows it).
 METAVARS = {
@@ -434,6 +500,8 @@ METAVARS = {
     "num_processes": "N",
     "process_id": "I",
     "served_model_name": "NAME",
+    "topology": "v5e:2x4",
+    "prefill": "8x512",
 }
 
 

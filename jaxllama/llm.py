@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,11 +26,9 @@ from jaxllama import backends
 from jaxllama.core.checkpoint import is_checkpoint, load_config
 from jaxllama.core.config import STORAGE_DTYPES, ModelConfig
 from jaxllama.core.model import forward, sequence_logits
-from jaxllama.core.params import product_form, stored_bytes
-from jaxllama.core.sharding import make_mesh
-from jaxllama.engine import prepared
+from jaxllama.core.params import activation_dtype_of, product_form
+from jaxllama.engine import kvcache, memory, prepared
 from jaxllama.engine.engine import DEFAULT_SLOTS, Engine, check_options
-from jaxllama.engine.memory import check_fits
 from jaxllama.engine.programs import preload_imports
 from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir, prepared_cache
@@ -41,6 +40,8 @@ from jaxllama.text.conversation import validate_messages
 from jaxllama.text.end_of_generation import end_of_generation_ids, load_generation_config
 from jaxllama.text.structured import Grammar, GrammarCompiler, OutputFormat
 from jaxllama.text.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -89,7 +90,7 @@ class LLM:
             eos_ids=self.eos_ids,
             max_slots=max_slots,
             max_context=max_context,
-            decode_steps=decode_steps or _default_decode_steps(),
+            decode_steps=decode_steps or _default_decode_steps(mesh),
             quantize=quantize,
             kv_cache_dtype=kv_cache_dtype,
             donate_params=donate_params,
@@ -147,10 +148,18 @@ class LLM:
         # checkpoint are kept: it was checked then.
         stored = load_config(path, check=digest is None or not prepared.checked(kept, digest))
         config = stored.with_dtype(jnp.dtype(dtype).name) if dtype is not None else stored  # as restored
-        mesh = make_mesh(config, mesh, param_bytes=stored_bytes(config))
-        form = product_form(config)
+        cache_dtype = kvcache.dtype(kv_cache_dtype, activation_dtype_of(config))
+        where = memory.plan(config, jax.devices(), mesh, max_slots, max_context, cache_dtype, stored=stored)
+        mesh, form = where.mesh, product_form(config)
         ops = backends.choose(mesh, form, kernel_dir(), quantize=quantize)
-        check_fits(config, ops, form, mesh, stored=stored)
+        if where.footprint is None:  # a CPU: the host's memory
+            memory.check_host(config, ops, form, mesh, stored=stored)
+        elif max_context is None and where.context < config.max_seq_len:
+            log.info(
+                "context: %d positions (what fits beside the weights; the model's is %d)",
+                where.context,
+                config.max_seq_len,
+            )
         # Named before the threads below start: the name reads jaxllama's sources, and each read made here while they
         # hold the GIL waits for it (0.4 s instead of 0.01 s).
         entry = prepared.entry_name(digest, ops, dtype) if digest is not None else None
@@ -170,12 +179,62 @@ class LLM:
             template,
             eos,
             max_slots=max_slots,
-            max_context=max_context,
+            max_context=where.context,
             decode_steps=decode_steps,
             quantize=quantize,
             kv_cache_dtype=kv_cache_dtype,
             path=Path(path),
             ops=ops,
+        )
+
+    @staticmethod
+    def compile_for(
+        model: str | Path | ModelConfig | None = None,
+        *,
+        topology: str | None = None,
+        mesh: str | dict | None = None,
+        max_slots: int = DEFAULT_SLOTS,
+        max_context: int | None = None,
+        dtype=None,
+        quantize: str | None = None,
+        kv_cache_dtype: str | None = None,
+        prefills: Sequence[tuple[int, int]] | None = None,
+    ):
+        """Compile the engine for a target without its weights and report whether the model fits and how fast it
+        would decode (`engine/aot.py`): `model` a known shape name (`core/shapes.py`: "llama-3.1-8b"), a
+        checkpoint (only its config is read) or a config; `topology` a TPU slice such as "v5e:2x4" (needs libtpu),
+        default the local devices. `dtype` converts every weight; `quantize` ("q8_0", "q4_0") stores every product's
+        weight as blocks. Returns an `aot.EngineReport` (`.table()`, `.to_json()`); raises ModelTooLarge, with the
+        figures, where no mesh fits."""
+        from jaxllama.core.shapes import SHAPES, known_shape
+        from jaxllama.default_model import resolve_model
+        from jaxllama.engine import aot
+
+        check_options(None, kv_cache_dtype)
+        if isinstance(model, ModelConfig):
+            config = model
+        elif isinstance(model, str) and known_shape(model) is not None:
+            config = known_shape(model)
+        else:
+            if model is not None and not Path(model).exists():
+                raise ValueError(f"{model}: neither a checkpoint nor a known shape ({', '.join(SHAPES)})")
+            config = load_config(resolve_model(model))
+        if dtype is not None:
+            if jnp.dtype(dtype).name not in STORAGE_DTYPES:
+                raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(STORAGE_DTYPES)}")
+            config = config.with_dtype(jnp.dtype(dtype).name)
+        if quantize is not None:
+            config = aot.quantized(config, quantize)
+        devices, target = aot.target_devices(topology)
+        return aot.compile_engine(
+            config,
+            devices,
+            target=target,
+            mesh=mesh,
+            max_slots=max_slots,
+            max_context=max_context,
+            kv_cache_dtype=kv_cache_dtype,
+            prefills=prefills,
         )
 
     @property
@@ -391,10 +450,10 @@ def _load_text(
     return tokenizer, template, eos
 
 
-def _default_decode_steps() -> int:
+def _default_decode_steps(mesh) -> int:
     """Decode steps per host round trip: on an accelerator several (host overhead is large against a step);
     on the CPU one (the step dominates, and finished slots are refilled sooner)."""
-    return 1 if jax.default_backend() == "cpu" else 8
+    return 1 if mesh.devices.flat[0].platform == "cpu" else 8
 
 
 def _token_rows(token_ids, vocab_size: int, max_len: int) -> list[np.ndarray]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
@@ -30,12 +29,13 @@ def choose(mesh: Mesh, dtype, kernel_dir: Path, *, cpu_kernels: bool = True, qua
     check_quantization(quantize)
     name = dtype if dtype in FORMATS else jnp.dtype(dtype).name
     readable = name in ("float32", "bfloat16", *FORMATS)
-    usable = cpu_kernels and jax.default_backend() == "cpu" and mesh.size == 1 and readable
+    platform = mesh.devices.flat[0].platform  # the mesh's, not the host's: a mesh may be of devices elsewhere
+    usable = cpu_kernels and platform == "cpu" and mesh.size == 1 and readable
     if usable and library.load(kernel_dir):
         return CpuOps(quantize)
     if quantize is not None:
         raise ValueError(
             f"quantize={quantize!r} runs through the CPU kernels: one CPU device, float32, bfloat16 or block "
-            f"weights (here: {jax.default_backend()}, {mesh.size} device(s), {name})"
+            f"weights (here: {platform}, {mesh.size} device(s), {name})"
         )
     return XLA

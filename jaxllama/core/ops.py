@@ -87,12 +87,13 @@ class Ops:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return tokens, logprob_of(logits, tokens)
 
-    def compiler_options(self, program: str) -> dict:
-        """XLA compiler options for one of the engine's programs (by its kind, e.g. "decode_layers"). XLA:CPU sets
-        up its YNNPACK product kernels on each program's first call in a process: worth it for the decode layers,
-        which run every step, not for prefills (most shapes run once or a few times) nor for the outputs (whose
-        [rows, vocab] product XLA's own loops run faster)."""
-        if jax.default_backend() != "cpu" or program == "decode_layers":
+    def compiler_options(self, program: str, platform: str) -> dict:
+        """XLA compiler options for one of the engine's programs (by its kind, e.g. "decode_layers") on the devices'
+        `platform` (not the host's: a program may be compiled for devices elsewhere). XLA:CPU sets up its YNNPACK
+        product kernels on each program's first call in a process: worth it for the decode layers, which run every
+        step, not for prefills (most shapes run once or a few times) nor for the outputs (whose [rows, vocab]
+        product XLA's own loops run faster)."""
+        if platform != "cpu" or program == "decode_layers":
             return {}
         return NO_YNNPACK
 

@@ -154,6 +154,13 @@ def as_blocks(tree: dict, config: ModelConfig) -> dict:
     return walk(tree, "")
 
 
+def activation_dtype_of(config: ModelConfig):
+    """The dtype a model of `config` computes in (as restored): its embedding's, float32 for an embedding stored as
+    blocks (`model.activation_dtype`, for the arrays themselves)."""
+    form = config.form("embedding")
+    return jnp.dtype(jnp.float32) if form in BLOCK_FORMATS else jnp.dtype(form)
+
+
 def product_form(config: ModelConfig) -> str:
     """The form most of the model's product weights are stored in (a dtype name or a block format): what a backend
     is chosen for."""

@@ -79,20 +79,32 @@ def check_mesh(config: ModelConfig, sizes: dict[str, int]) -> None:
             )
 
 
+def model_axes(config: ModelConfig, n_devices: int) -> list[int]:
+    """The `model` axis sizes a mesh of `n_devices` devices may have for this model, smallest first."""
+    out = []
+    for model in range(1, n_devices + 1):
+        if n_devices % model == 0:
+            try:
+                check_mesh(config, {"data": n_devices // model, "model": model})
+            except ValueError:
+                continue
+            out.append(model)
+    return out
+
+
 def make_mesh(
-    config: ModelConfig, spec: str | dict | None = None, devices: Sequence | None = None, param_bytes: int = 0
+    config: ModelConfig, spec: str | dict | None = None, devices: Sequence | None = None, model_axis: int = 1
 ) -> Mesh:
     """A `data` x `model` mesh over `devices` (default: all of them, on every host).
 
-    Without a spec, the `model` axis is the smallest that lets each device hold its share of the
-    weights (`param_bytes`) in half its memory, and the rest of the devices go to `data`. A spec for fewer
-    devices than there are takes the first ones (in one process: every process must hold a part of the mesh).
+    Without a spec, every device is used, `model_axis` of them per model replica (the caller that knows the
+    devices' memory chooses it: `engine/memory.plan`). A spec for fewer devices than there are takes the first ones
+    (in one process: every process must hold a part of the mesh).
     """
     devices = list(devices if devices is not None else jax.devices())
     sizes = parse_mesh(spec)
     if sizes is None:
-        model = _default_model_axis(config, devices, param_bytes)
-        sizes = {"data": len(devices) // model, "model": model}
+        sizes = {"data": max(1, len(devices) // model_axis), "model": model_axis}
     n = math.prod(sizes.values())
     name = f"mesh data={sizes['data']},model={sizes['model']}"
     if n > len(devices):
@@ -103,21 +115,6 @@ def make_mesh(
     check_mesh(config, sizes)
     grid = np.array(devices[:n], dtype=object).reshape(sizes["data"], sizes["model"])
     return Mesh(grid, MESH_AXES)
-
-
-def _default_model_axis(config: ModelConfig, devices: Sequence, param_bytes: int) -> int:
-    stats = devices[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    for model in range(1, len(devices) + 1):
-        if len(devices) % model:
-            continue
-        try:
-            check_mesh(config, {"data": len(devices) // model, "model": model})
-        except ValueError:
-            continue
-        if not limit or param_bytes / model <= limit / 2:
-            return model
-    return 1
 
 
 def rules_for(config: ModelConfig, mesh: Mesh) -> dict[str, str | None]:

@@ -52,3 +52,8 @@ def round_up(n: int, multiple: int) -> int:
 def pow2(n: int) -> int:
     """The least power of two >= n (n >= 1)."""
     return 1 << (n - 1).bit_length()
+
+
+def slot_count(max_slots: int, data: int) -> int:
+    """The decode slots of an engine asked for `max_slots` on a mesh whose `data` axis is `data`: a multiple of it."""
+    return max(data, round_up(max_slots, data))

@@ -9,6 +9,11 @@ and the compiled programs that advance them. A narrow interface in the spirit of
 Typed batches in, tokens and a per-row finish code out (`step.FINISH`); which request runs where, and why, is the
 scheduler's business (`scheduler.py`). Multi-host: host inputs become global arrays and the small outputs are
 replicated, so every process gets the same answers.
+
+Nothing runs on a device until the first call: the decode state is made then, and the cache on a thread (one
+process) or then. An `abstract` device holds ShapeDtypeStructs instead of arrays (weights, state, cache) and its
+calls compile each program they would run and return nothing (`engine/aot.py`), so that the engine's programs can
+be compiled for devices that cannot run them (a TPU topology described on a CPU host).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ class Device:
         min_cache: int,
         stats: EngineStats,
         donate_params: bool = False,
+        abstract: bool = False,
     ):
         if len(eos_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} end-of-generation ids, got {len(eos_ids)}")
@@ -69,15 +75,16 @@ class Device:
         self.slots, self.max_context, self.decode_steps = slots, max_context, decode_steps
         self.eos_ids = tuple(eos_ids)
         self.vocab_size, self.row_multiple = config.vocab_size, mesh.shape["data"]
-        self.cache_dtype = cache_dtype
+        self.cache_dtype, self.min_cache, self.abstract = cache_dtype, min_cache, abstract
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._activations = NamedSharding(mesh, PartitionSpec("data"))  # [batch, ...], batch over `data`
         self._cache_sharding = kvcache.cache_sharding(config, mesh)  # one layer's (keys, values)
         self._rows = named_sharding(mesh, config, ("batch",))
         self._seeds = random.Random(agreed_seed())  # for requests without a seed: the same on every process
-        platform = mesh.devices.flat[0].platform
-        one_device = mesh.size == 1 and jax.process_count() == 1 and platform == jax.default_backend()
-        self.programs = Programs(ops, stats, keep_exported=one_device)
+        self.platform = mesh.devices.flat[0].platform
+        one_device = mesh.size == 1 and jax.process_count() == 1 and self.platform == jax.default_backend()
+        keep = one_device and not abstract
+        self.programs = Programs(ops, stats, self.platform, keep_exported=keep, abstract=abstract)
         # The weights as the backend's products read them (`params`), prepared a run of `layers_per_program` layers
         # at a time, and the params outside the layers (embedding, final norm, output): with `donate_params`, each
         # part's weights that preparing replaced are freed before the next part is prepared, so that the two copies
@@ -93,15 +100,15 @@ class Device:
         self.params = dict(self._outer)
         for (a, _), run in zip(self._runs, self._run_params, strict=True):
             self.params |= {f"layers_{a + i}": p for i, p in enumerate(run)}
-        self.state = self._initial_state()
+        self._state = None
         # In one process the cache is allocated on a thread: the first touch of its pages (on a CPU, ~1 s a GB) then
         # overlaps the host's work up to the first prefill, which loads its programs meanwhile.
-        allocate = functools.partial(kvcache.allocate, config, mesh, slots, buckets.bucket(min_cache, max_context))
+        length = buckets.bucket(min_cache, max_context)
         self._cache, self._allocating = None, None
-        if jax.process_count() == 1:
-            self._allocating = _ALLOCATOR.submit(allocate, cache_dtype)
-        else:
-            self._cache = allocate(cache_dtype)
+        if abstract:
+            self._cache = kvcache.abstract(config, mesh, slots, length, cache_dtype)
+        elif jax.process_count() == 1:
+            self._allocating = _ALLOCATOR.submit(kvcache.allocate, config, mesh, slots, length, cache_dtype)
 
     # ---- the interface ----------------------------------------------------------------------------
 
@@ -109,7 +116,11 @@ class Device:
     def cache(self) -> kvcache.KVCache:
         """The slots' KV cache: per layer, (keys, values)."""
         if self._cache is None:
-            self._cache = self._allocating.result()
+            length = buckets.bucket(self.min_cache, self.max_context)
+            if self._allocating is not None:
+                self._cache = self._allocating.result()
+            else:
+                self._cache = kvcache.allocate(self.config, self.mesh, self.slots, length, self.cache_dtype)
         return self._cache
 
     @cache.setter
@@ -120,14 +131,24 @@ class Device:
     def cache_length(self) -> int:
         return kvcache.length(self.cache)
 
+    @property
+    def state(self) -> step.DecodeState:
+        """The decode slots' state, made on first use."""
+        if self._state is None:
+            self._state = self._initial_state()
+        return self._state
+
+    @state.setter
+    def state(self, state: step.DecodeState) -> None:
+        self._state = state
+
     def resize(self, length: int) -> None:
-        """Give the cache `length` positions: zero-padded when growing, truncated when shrinking."""
-        resize = jax.jit(
-            kvcache.resize,
-            static_argnums=1,  # no donation: the new cache has another shape
-            out_shardings=[self._cache_sharding] * self.config.n_layers,
-        )
-        self.cache = resize(self.cache, length)
+        """Give the cache `length` positions: zero-padded when growing, truncated when shrinking; a layer at a time,
+        each layer's old arrays dropped (freed) as soon as its new ones are made, so that two caches never coexist."""
+        fn = functools.partial(kvcache.resize_layer, length=length)
+        cache = self.cache
+        for i in range(len(cache)):  # no donation: the new arrays have another shape
+            cache[i] = self._call("cache_resize", fn, (cache[i],), out=self._cache_sharding)
 
     def prefill(
         self, rows: Sequence[PrefillRow], sample: bool = True, masks: Callable[[], np.ndarray] | None = None
@@ -143,6 +164,8 @@ class Device:
         x = self._prefill_layers(x, positions, rope, inputs["sources"], inputs["slots"], batch.span, batch.fresh)
         prompt = self._prompt_logprobs(x, inputs["tokens"], rows) if batch.prompt_logprobs else None
         if not sample:
+            if self.abstract:
+                return None
             if prompt is None:
                 jax.block_until_ready(x)
                 return None
@@ -155,6 +178,8 @@ class Device:
         fn = functools.partial(step.prefill_outputs, config=self.config, flags=batch.flags, ops=self.ops)
         out = self._outputs_sharding(4)
         self.state, *out = self._call("prefill_outputs", fn, args, batch.flags, donate=1, out=out)
+        if self.abstract:
+            return None
         first, logprobs, finish, top = jax.tree.map(lambda x: np.asarray(x)[None, : len(rows)], jax.device_get(out))
         top_ids, top_logprobs = top if top is not None else (None, None)
         return Sampled(first, logprobs, np.ones_like(first, bool), finish, top_ids, top_logprobs, prompt)
@@ -190,6 +215,8 @@ class Device:
             self.state, *out = self._call("decode_outputs", outputs_fn, args, flags, 1, self._outputs_sharding(5))
             steps.append(out)
             keep = kept  # cancellations apply at the first step
+        if self.abstract:
+            return None
         tokens, logprobs, emitted, finish, top = (list(x) for x in zip(*jax.device_get(steps), strict=True))
         top_ids, top_logprobs = (np.stack(x) for x in zip(*top, strict=True)) if flags.top else (None, None)
         return Sampled(*(np.stack(x) for x in (tokens, logprobs, emitted, finish)), top_ids, top_logprobs)
@@ -200,6 +227,8 @@ class Device:
         """Each row's `step.prompt_logprobs`, for its tokens after the first."""
         fn = functools.partial(step.prompt_logprobs, config=self.config, ops=self.ops)
         out = self._call("prompt_logprobs", fn, (self._outer, x, tokens), out=(self._replicated,) * 3)
+        if self.abstract:
+            return None
         logprobs, top_ids, top_logprobs = jax.device_get(out)
         n = [len(r.tokens) - 1 for r in rows]
         return [PromptLogprobs(logprobs[i, :k], top_ids[i, :k], top_logprobs[i, :k]) for i, k in enumerate(n)]
@@ -253,10 +282,13 @@ class Device:
             stop_ids=np.full((s, MAX_STOP_IDS), -1, np.int32),
         )
         rows = SamplingRows(**SamplingRows.from_params([SamplingParams(temperature=0.0)] * s, [0] * s))
-        zeros = jax.jit(
-            lambda: (jnp.zeros((s, v), jnp.int32), jnp.zeros((s, v), bool)), out_shardings=(self._rows,) * 2
-        )
-        counts, seen = zeros()
+        if self.abstract:
+            counts, seen = (jax.ShapeDtypeStruct((s, v), t, sharding=self._rows) for t in (jnp.int32, jnp.bool_))
+        else:
+            zeros = jax.jit(
+                lambda: (jnp.zeros((s, v), jnp.int32), jnp.zeros((s, v), bool)), out_shardings=(self._rows,) * 2
+            )
+            counts, seen = zeros()
         return step.DecodeState(
             rows=jax.tree.map(self._put_rows, rows),
             counts=counts,
@@ -267,10 +299,17 @@ class Device:
     def _put_rows(self, x):
         x = np.asarray(x)
         spec = PartitionSpec("data", *([None] * (x.ndim - 1)))
-        return _global(x, NamedSharding(self.mesh, spec))
+        return self._global(x, NamedSharding(self.mesh, spec))
 
     def _put(self, xs):
-        return jax.tree.map(lambda x: _global(np.asarray(x), self._replicated), xs)
+        return jax.tree.map(lambda x: self._global(np.asarray(x), self._replicated), xs)
+
+    def _global(self, x: np.ndarray, sharding: NamedSharding):
+        """A host array (the same on every process) as a global array with this sharding (an abstract device's:
+        its shape, dtype and sharding)."""
+        if self.abstract:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
     def seed(self, params: SamplingParams) -> int:
         """The request's seed, or one drawn for it (the same on every process)."""
@@ -346,8 +385,3 @@ def _prepare(ops: Ops, params, config: ModelConfig, donate: bool):
             if id(x) not in kept and isinstance(x, jax.Array):
                 x.delete()
     return prepared
-
-
-def _global(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """A host array (the same on every process) as a global array with this sharding."""
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])

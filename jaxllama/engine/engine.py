@@ -45,7 +45,9 @@ class Engine(Scheduler):
     them). `min_cache`: the cache's first length in positions. The weights the engine runs are `self.params`:
     `params` prepared for the backend's products (packed or quantized for the CPU kernels); `donate_params`: the
     engine may free the given weights that preparing replaced (the caller will not use them again). `ops`: the
-    backend, where the caller chose it already (`backends.choose`; `cpu_kernels` and `quantize` then say nothing)."""
+    backend, where the caller chose it already (`backends.choose`; `cpu_kernels` and `quantize` then say nothing).
+    `abstract`: `params` are ShapeDtypeStructs with shardings and the engine only compiles its programs for the mesh's
+    devices, which may be unable to run them (`engine/aot.py`)."""
 
     def __init__(
         self,
@@ -64,6 +66,7 @@ class Engine(Scheduler):
         kv_cache_dtype: str | None = None,
         donate_params: bool = False,
         ops: Ops | None = None,
+        abstract: bool = False,
     ):
         check_options(quantize, kv_cache_dtype)
         if not isinstance(layers_per_program, int) or layers_per_program < 1:
@@ -80,7 +83,7 @@ class Engine(Scheduler):
             params,
             mesh,
             ops=self.ops,
-            slots=max(data, buckets.round_up(max_slots, data)),
+            slots=buckets.slot_count(max_slots, data),
             max_context=min(max_context or config.max_seq_len, config.max_seq_len),
             eos_ids=sorted(set(int(i) for i in eos_ids)),
             decode_steps=decode_steps,
@@ -89,6 +92,7 @@ class Engine(Scheduler):
             min_cache=min_cache,
             stats=stats,
             donate_params=donate_params,
+            abstract=abstract,
         )
         super().__init__(device, stats)
         self.params = device.params

@@ -1,7 +1,9 @@
 """The decode slots' KV cache: per layer (k, v) in the model's layout (`model.cache_shapes`), batch = slots.
 
 `length` is a bucket (`buckets.bucket`), not the model's context: the cache grows to the next bucket when a sequence
-needs it and shrinks when the long sequences are gone, so attention reads only about the part in use.
+needs it and shrinks when the long sequences are gone, so attention reads only about the part in use. It is resized
+one layer at a time, each layer's old arrays freed as its new ones are made, so that growing never holds two caches:
+at most the cache and one layer's new copy (`engine/memory.py` counts that moment).
 Slots are split over the mesh's `data` axis and KV heads over `model` (replicated when `model` does not
 divide them), by the same logical-axis rules as the weights.
 """
@@ -41,21 +43,28 @@ def length(cache: KVCache) -> int:
     return cache[0][0].shape[CACHE_LENGTH_AXIS[0]]
 
 
+def abstract(config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype) -> KVCache:
+    """The cache's shapes, dtypes and shardings (ShapeDtypeStructs): what programs are compiled for without one."""
+    shapes, shardings = cache_shapes(config, slots, length), cache_sharding(config, mesh)
+    layer = tuple(jax.ShapeDtypeStruct(s, dtype, sharding=d) for s, d in zip(shapes, shardings, strict=True))
+    return [layer] * config.n_layers
+
+
 def allocate(config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype) -> KVCache:
     shapes, shardings = cache_shapes(config, slots, length), cache_sharding(config, mesh)
     make = [jax.jit(lambda s=s: jnp.zeros(s, dtype), out_shardings=d) for s, d in zip(shapes, shardings, strict=True)]
     return [(make[0](), make[1]()) for _ in range(config.n_layers)]
 
 
-def resize(cache: KVCache, length: int) -> KVCache:
-    """The same cache with `length` positions: zero-padded when growing, truncated when shrinking."""
+def resize_layer(layer: tuple, *, length: int) -> tuple:
+    """One layer's (keys, values) with `length` positions: zero-padded when growing, truncated when shrinking."""
 
     def one(x, axis):
         if length >= x.shape[axis]:
             return jnp.pad(x, [(0, length - x.shape[axis]) if i == axis else (0, 0) for i in range(x.ndim)])
         return jax.lax.slice_in_dim(x, 0, length, axis=axis)
 
-    return [(one(k, CACHE_LENGTH_AXIS[0]), one(v, CACHE_LENGTH_AXIS[1])) for k, v in cache]
+    return tuple(one(x, axis) for x, axis in zip(layer, CACHE_LENGTH_AXIS, strict=True))
 
 
 def _first(span: int, axis: int) -> tuple:

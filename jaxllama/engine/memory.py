@@ -1,45 +1,192 @@
-"""Whether a model fits, asked before it is loaded: a model too large for the machine is refused at once, with the
-bytes it needs and the bytes there are, rather than found out by the kernel's out-of-memory killer minutes later.
+"""Whether a model fits, asked before it is loaded, and the mesh and context it runs with.
+
+A model too large for the machine is refused at once, with the bytes it needs and the bytes there are, rather than
+found out by the kernel's out-of-memory killer or the device's allocator minutes later.
+
+- On a CPU the devices share the host's memory: the weights (a copy per replica along the mesh's `data` axis) and
+  one layer being restored must fit in the available memory; the KV cache grows with the sequences in it.
+- On an accelerator each device holds its share: the weights as the mesh splits them (replicated parts in full),
+  the KV cache at its final size (the slots times the context, as the mesh splits it), the moment the cache grows
+  (one layer's new copy beside the old cache: `Device.resize`), the decode state, and the largest program's
+  temporaries (`OVERHEAD` stands for them until the programs are compiled: `engine/aot.py` puts in the compiler's
+  own figures). A device's memory is what it says it can hold, else the chip table's (`core/chips.py`), so that a
+  compile-only device is sized as the real one.
+
+Without a --mesh, an accelerator's mesh is the one among those that fit whose decode step moves the fewest bytes per
+device (a decode step is bound by HBM bandwidth: the weights each device reads plus its part of the live KV cache);
+of equals, the one with the larger `data` axis (fewer collectives). Without --max-context, an accelerator's context
+is the longest that fits (at most the model's); a CPU's is the model's, as its cache grows only as sequences need.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import psutil
 from jax.sharding import Mesh
 
+from jaxllama.core.chips import memory_of
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import Ops
-from jaxllama.core.params import stored_arrays_of
+from jaxllama.core.params import abstract_stored, stored_arrays_of
+from jaxllama.core.sharding import make_mesh, model_axes, parse_mesh
+from jaxllama.engine import buckets, kvcache
 from jaxllama.errors import ModelTooLarge
 
-# What a running engine holds besides its weights (compiled programs, XLA's buffers, the first KV cache, Python).
+# What a running engine holds besides its weights, cache and state (compiled programs, temporaries, the runtime's
+# buffers), until the compiler says.
 OVERHEAD = 1 << 30
+# The shortest context an accelerator's default may shrink to before the model is refused.
+MIN_CONTEXT = 2 * buckets.MIN_BUCKET
 
 
-def check_fits(config: ModelConfig, ops: Ops, dtype, mesh: Mesh, stored: ModelConfig | None = None) -> None:
-    """Raise ModelTooLarge unless the weights `ops` prepares from those `config` describes (`dtype`: the form of its
-    products, `params.product_form`),
-    plus one layer being restored (as the checkpoint `stored` holds it, and as restored), plus OVERHEAD, fit: on the
-    CPU in the host's available memory (a copy per replica along the mesh's `data` axis), on an accelerator in each
-    device's memory (the weights split along `model`)."""
-    weights = ops.weight_bytes(config, dtype)
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+    """The bytes one device holds while the engine runs, by what holds them."""
+
+    weights: int  # as the mesh splits them
+    cache: int  # the KV cache at its final size
+    growth: int  # one layer's grown copy, beside the cache while it grows
+    state: int  # the decode slots' state (sampling rows, token counts)
+    temporaries: int  # the largest program's temporaries and code (OVERHEAD until compiled)
+    restoring: int = 0  # one layer being restored, before the cache exists
+
+    @property
+    def total(self) -> int:
+        running = self.weights + self.cache + self.growth + self.state + self.temporaries
+        return max(running, self.weights + self.restoring + self.temporaries)
+
+    def describe(self) -> str:
+        parts = [("weights", self.weights), ("KV cache", self.cache), ("cache growth", self.growth)]
+        parts += [("decode state", self.state), ("programs", self.temporaries)]
+        return ", ".join(f"{name} {b / 2**30:.2f}" for name, b in parts if b) + " GiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Where and how big the engine runs: its mesh, decode slots and context (in positions), and, on an accelerator,
+    what each device holds and can hold."""
+
+    mesh: Mesh
+    slots: int
+    context: int
+    footprint: Footprint | None = None  # None on a CPU
+    device_memory: int | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.footprint is None or self.device_memory is None or self.footprint.total <= self.device_memory
+
+
+def per_device_bytes(tree) -> int:
+    """The bytes of one device's shards of a pytree of arrays or ShapeDtypeStructs with shardings (the first device's:
+    every device of a mesh holds shards of the same shapes)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def footprint(
+    config: ModelConfig, mesh: Mesh, slots: int, context: int, cache_dtype, temporaries: int = OVERHEAD, stored=None
+) -> Footprint:
+    """What one accelerator device of `mesh` holds running `config` (as restored) with `slots` slots of `context`
+    positions; `stored`: the checkpoint's config, when it stores the weights otherwise (one layer restores in it)."""
+    cache = kvcache.abstract(config, mesh, slots, context, cache_dtype)
+    layer = per_device_bytes(cache[0])
+    data = mesh.shape["data"]
+    state = math.ceil(slots / data) * (config.vocab_size * 5 + 1024)  # token counts (int32) and seen (bool)
     restoring = _layer_bytes(config) + _layer_bytes(stored or config)
-    device = mesh.devices.flat[0]
-    if device.platform == "cpu":
-        need = weights * mesh.shape["data"] + restoring + OVERHEAD
-        have, where = psutil.virtual_memory().available, "available memory"
-    else:
-        limit = (device.memory_stats() or {}).get("bytes_limit")
-        if limit is None:
-            return
-        need = weights // mesh.shape["model"] + restoring + OVERHEAD
-        have, where = limit, f"memory of each {device.platform} device"
+    weights = per_device_bytes(abstract_stored(config, mesh))
+    return Footprint(weights, layer * config.n_layers, layer, state, temporaries, restoring)
+
+
+def plan(
+    config: ModelConfig,
+    devices,
+    spec: str | dict | None,
+    max_slots: int,
+    max_context: int | None,
+    cache_dtype,
+    stored: ModelConfig | None = None,
+) -> Plan:
+    """The mesh, slots and context to run `config` with on `devices` (see the module's docstring); ModelTooLarge,
+    with the bytes needed and the bytes there are, where nothing fits."""
+    devices = list(devices)
+    memory = memory_of(devices[0])
+    if memory is None:  # a CPU: the host's memory, checked by `check_host`
+        mesh = make_mesh(config, spec, devices)
+        slots = buckets.slot_count(max_slots, mesh.shape["data"])
+        return Plan(mesh, slots, min(max_context or config.max_seq_len, config.max_seq_len))
+    sizes = parse_mesh(spec)
+    candidates = [sizes["model"]] if sizes else model_axes(config, len(devices))
+    plans = []
+    for model in candidates:
+        mesh = make_mesh(config, spec, devices, model_axis=model)
+        slots = buckets.slot_count(max_slots, mesh.shape["data"])
+        context = min(max_context or config.max_seq_len, config.max_seq_len)
+        if max_context is None:
+            context = _longest_context(config, mesh, slots, context, cache_dtype, memory, stored)
+        needs = footprint(config, mesh, slots, context, cache_dtype, stored=stored)
+        plans.append(Plan(mesh, slots, context, needs, memory))
+    fitting = [p for p in plans if p.fits]
+    if not fitting:
+        smallest = min(plans, key=lambda p: p.footprint.total)
+        raise ModelTooLarge(too_large(smallest))
+    return min(fitting, key=lambda p: (decode_bytes(p), -p.mesh.shape["data"]))
+
+
+def decode_bytes(p: Plan) -> int:
+    """The bytes one device reads in a decode step of a full cache: its weights and its part of the KV cache."""
+    return p.footprint.weights + p.footprint.cache
+
+
+def too_large(p: Plan) -> str:
+    """Why a plan does not fit, with both figures."""
+    sizes = f"data={p.mesh.shape['data']},model={p.mesh.shape['model']}"
+    kind = p.mesh.devices.flat[0].device_kind
+    return (
+        f"the model needs about {p.footprint.total / 2**30:.1f} GiB per device on mesh {sizes} with {p.slots} slots "
+        f"of {p.context} positions ({p.footprint.describe()}); each {kind} device holds "
+        f"{p.device_memory / 2**30:.1f} GiB. Use more devices, fewer slots (--max-batch), a shorter context "
+        f"(--max-context), a 16-bit KV cache or smaller weights"
+    )
+
+
+def check_plan(p: Plan) -> None:
+    """ModelTooLarge unless the plan fits its devices."""
+    if not p.fits:
+        raise ModelTooLarge(too_large(p))
+
+
+def _longest_context(config, mesh, slots, limit, cache_dtype, memory, stored) -> int:
+    """The longest context (a multiple of MIN_BUCKET, at most `limit`) whose cache fits beside everything else; a
+    plan at MIN_CONTEXT where none does (which then does not fit)."""
+    fixed = footprint(config, mesh, slots, 0, cache_dtype, stored=stored)
+    per_position = footprint(config, mesh, slots, buckets.MIN_BUCKET, cache_dtype, stored=stored)
+    per_position = (per_position.cache + per_position.growth) / buckets.MIN_BUCKET
+    room = memory - (fixed.weights + fixed.state + fixed.temporaries)
+    context = int(room // per_position) // buckets.MIN_BUCKET * buckets.MIN_BUCKET if room > 0 else 0
+    return max(min(context, limit), min(MIN_CONTEXT, limit))
+
+
+def check_host(config: ModelConfig, ops: Ops, dtype, mesh: Mesh, stored: ModelConfig | None = None) -> None:
+    """On a CPU: raise ModelTooLarge unless the weights `ops` prepares from those `config` describes (`dtype`: the
+    form of its products, `params.product_form`), a copy per replica along the mesh's `data` axis, plus one layer
+    being restored (as the checkpoint `stored` holds it, and as restored), plus OVERHEAD, fit in the host's
+    available memory."""
+    weights = ops.weight_bytes(config, dtype)
+    need = weights * mesh.shape["data"] + _layer_bytes(config) + _layer_bytes(stored or config) + OVERHEAD
+    have = psutil.virtual_memory().available
     if need > have:
         raise ModelTooLarge(
             f"the model needs about {need / 2**30:.1f} GiB ({weights / 2**30:.1f} GiB of weights as "
-            f"{type(ops).__name__} runs them), the {where} is {have / 2**30:.1f} GiB"
+            f"{type(ops).__name__} runs them), the available memory is {have / 2**30:.1f} GiB"
         )
 
 

@@ -7,6 +7,7 @@ be read is exported again.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -63,14 +64,47 @@ def program_key(fn, args, donate: int | None, static_key) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
 
+@dataclasses.dataclass(eq=False)  # by identity: one per compiled program
+class Compiled:
+    """One compiled program: the engine's name for it (`kind`), its arguments' shapes (by leaf, in order), the
+    compiled executable and the seconds its compilation took."""
+
+    kind: str
+    shapes: tuple
+    executable: object
+    seconds: float
+    hlo_text: str | None  # the optimized HLO, as the compiler wrote it
+
+
+def _compile_with_text(lowered, options: dict):
+    """(the compiled program, its optimized HLO text or None). Printing a compiled program back (`as_text()`) fails
+    for some TPU programs (a RET_CHECK on async updates, on v6e): the text the compiler dumped is read then, the
+    final one (after code generation, which holds its cycle estimates) where there is one."""
+    with tempfile.TemporaryDirectory(prefix="jaxllama-hlo-") as dump:
+        compiled = lowered.compile(compiler_options={**options, "xla_dump_to": dump})
+        try:
+            return compiled, compiled.as_text()
+        except Exception as e:
+            for pattern in ("*.after_codegen.txt", "*.after_optimizations.txt"):
+                texts = sorted(Path(dump).glob(pattern), key=lambda p: p.stat().st_size)
+                if texts:
+                    return compiled, texts[-1].read_text()
+            log.warning("could not read the optimized HLO of a program (%s)", e)
+            return compiled, None
+
+
 class Programs:
     """The compiled programs of one engine, by (kind, the arguments' pytree, shapes and dtypes, static switches).
-    Compilation is counted and timed in `stats`. `keep_exported`: keep programs on disk where the compilation cache
-    is on (one device of the default backend in one process)."""
+    Compilation is counted and timed in `stats`, for the devices' `platform` (its compiler options). `keep_exported`:
+    keep programs on disk where the compilation cache is on (one device of the default backend in one process).
+    `abstract`: the arguments are ShapeDtypeStructs; a call compiles its program, records it in `calls` and returns
+    its outputs' ShapeDtypeStructs (`engine/aot.py`)."""
 
-    def __init__(self, ops: Ops, stats: EngineStats, keep_exported: bool):
-        self.ops, self.stats, self.keep_exported = ops, stats, keep_exported
+    def __init__(self, ops: Ops, stats: EngineStats, platform: str, keep_exported: bool, abstract: bool = False):
+        self.ops, self.stats, self.platform = ops, stats, platform
+        self.keep_exported, self.abstract = keep_exported, abstract
         self._compiled: dict = {}
+        self.calls: list[Compiled] = []  # abstract: every call, in order
 
     def __call__(self, kind: str, fn, args, static_key, donate: int | None, out):
         """fn(*args) through its program, compiled on first use with outputs sharded as `out` (on one device, `out`
@@ -81,16 +115,23 @@ class Programs:
             if not self._compiled:  # say why the first requests take a while
                 log.info("compiling the engine's programs, each shape once (a later run loads them from the cache)")
             start = time.perf_counter()
-            options = self.ops.compiler_options(kind)
+            options = self.ops.compiler_options(kind, self.platform)
             compiled = None
             if (folder := program_cache()) is not None and self.keep_exported:
                 compiled = compile_program(folder, fn, args, donate, static_key, options, self.ops.custom_calls)
-            if compiled is None:
-                jitted = jax.jit(fn, donate_argnums=() if donate is None else (donate,), out_shardings=out)
+            jitted = jax.jit(fn, donate_argnums=() if donate is None else (donate,), out_shardings=out)
+            if self.abstract:
+                compiled, text = _compile_with_text(jitted.lower(*args), options)
+                compiled = Compiled(kind, tuple(key[2]), compiled, time.perf_counter() - start, text)
+            elif compiled is None:
                 compiled = jitted.lower(*args).compile(compiler_options=options)
+            seconds = time.perf_counter() - start
             self._compiled[key] = compiled
             self.stats.compiles += 1
-            self.stats.compile_s += time.perf_counter() - start
+            self.stats.compile_s += seconds
+        if self.abstract:
+            self.calls.append(self._compiled[key])
+            return self._compiled[key].executable.out_info
         return self._compiled[key](*args)
 
 

@@ -66,7 +66,7 @@ def test_the_memory_a_model_needs_is_what_its_backend_holds(quantize):
     mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
     ops = CpuOps(quantize)
     with pytest.raises(ModelTooLarge) as e:
-        memory.check_fits(config, ops, np.float32, mesh)
+        memory.check_host(config, ops, np.float32, mesh)
     weights = ops.weight_bytes(config, np.float32)
     assert f"{weights / 2**30:.1f} GiB of weights" in str(e.value)
     assert weights / config.n_params == pytest.approx(4 if quantize is None else 1.125, rel=0.05)  # + the embedding

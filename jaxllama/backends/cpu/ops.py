@@ -123,7 +123,7 @@ class CpuOps(Ops):
         tokens, top, logz = row_stats(logits.astype(jnp.float32))  # one pass over the logits, on every thread
         return tokens, top - logz
 
-    def compiler_options(self, program: str) -> dict:
+    def compiler_options(self, program: str, platform: str) -> dict:
         return NO_YNNPACK  # no product is left for XLA's YNNPACK kernels
 
     @property

@@ -1,0 +1,390 @@
+"""The engine compiled ahead of time for a target it need not run on: does a model fit, and how fast would it decode?
+
+`compile_engine` builds the engine with abstract weights (shapes, dtypes and shardings only) on the target's devices
+(a TPU topology described on this host, or the local devices), then compiles every program the engine runs for a
+full cache: the cache's last growth, a decode step over every slot, and prefills of the given sizes (rows x prompt
+tokens), each through the engine's own code path (`Device` with `abstract=True`), so the programs are the ones it
+would run. Each program is read for what the compiler says of it (memory per device, flops, its cost model's time)
+and what its optimized HLO moves (`hlo.py`: HBM bytes, the compiler's cycle estimate, collectives).
+
+A decode step is bound by HBM bandwidth: its ideal time is the bytes no implementation can avoid reading per device
+(the weights split over the `model` axis, the live KV cache split over every device) over the chip's bandwidth
+(`core/chips.py`). Each estimate (HBM traffic / bandwidth, the compiler's cycles / clock) is reported beside it,
+with the tokens per second per sequence and in all that it implies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllama.core.chips import Chip, chip_of
+from jaxllama.core.config import BLOCK_FORMATS, ModelConfig
+from jaxllama.core.model import cache_shapes
+from jaxllama.core.params import (
+    abstract_stored,
+    activation_dtype_of,
+    as_blocks,
+    block_in_dims,
+    param_layout,
+    stored_bytes,
+)
+from jaxllama.engine import buckets, hlo, kvcache, memory
+from jaxllama.engine.engine import Engine
+from jaxllama.engine.interface import PrefillRow
+from jaxllama.engine.programs import Compiled
+from jaxllama.engine.request import Request, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ProgramReport:
+    """One compiled program: per device, its memory (arguments, outputs, temporaries, code), flops, the compiler's
+    "bytes accessed" (staging included: an upper bound) and cost-model seconds; from its HLO, the HBM bytes it moves,
+    the compiler's cycle estimate and its collectives; how many times the phase calls it."""
+
+    kind: str
+    phase: str
+    calls: int
+    shapes: str
+    compile_s: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    code_bytes: int
+    flops: float
+    bytes_accessed: float
+    cost_model_s: float
+    hbm_bytes: int | None
+    cycles: int | None
+    collectives: dict
+    heaviest: list  # the instructions that move the most HBM bytes (`hlo.Module.heaviest`)
+
+
+@dataclasses.dataclass
+class PhaseReport:
+    """A decode step or a prefill, all its program calls together (per device), and its ideal time."""
+
+    name: str
+    tokens: int  # tokens it yields (decode: one per slot) or computes (prefill)
+    flops: float
+    hbm_bytes: int | None
+    cycles: int | None
+    cost_model_s: float
+    ideal_s: float
+    collectives: dict
+    chip: Chip | None
+
+    def estimates(self) -> dict[str, float]:
+        """Seconds per run by each estimate that could be made."""
+        out = {"ideal": self.ideal_s}
+        if self.chip and self.hbm_bytes is not None:
+            out["hbm_traffic"] = self.hbm_bytes / self.chip.hbm_bandwidth
+        if self.chip and self.cycles:
+            out["cycles"] = self.cycles / self.chip.clock_hz
+        if self.cost_model_s > 0:
+            out["cost_model"] = self.cost_model_s
+        return out
+
+
+@dataclasses.dataclass
+class EngineReport:
+    """What `compile_engine` found: the target, the mesh, what each device holds and whether it fits, each program,
+    the decode step and the prefills."""
+
+    target: str
+    devices: int
+    mesh: dict
+    slots: int
+    context: int
+    chip: Chip | None
+    footprint: memory.Footprint
+    device_memory: int | None
+    programs: list[ProgramReport]
+    decode: PhaseReport
+    prefills: list[PhaseReport]
+    compile_s: float
+
+    @property
+    def fits(self) -> bool:
+        return self.device_memory is None or self.footprint.total <= self.device_memory
+
+    def to_json(self) -> dict:
+        """The report as one JSON object (times per step in seconds, bytes per device)."""
+        d = self.decode
+        seconds = d.estimates()
+        step = {
+            "memory_per_chip_bytes": self.footprint.total,
+            "memory": dataclasses.asdict(self.footprint),
+            "hbm_bytes": d.hbm_bytes,
+            "hbm_traffic_s": seconds.get("hbm_traffic"),
+            "cycles_s": seconds.get("cycles"),
+            "cost_model_s": seconds.get("cost_model"),
+            "ideal_s": d.ideal_s,
+            "flops": d.flops,
+            "tok_s_per_sequence": {k: 1 / s for k, s in seconds.items()},
+            "tok_s_total": {k: self.slots / s for k, s in seconds.items()},
+            "collectives": d.collectives,
+        }
+        prefills = [
+            {
+                "name": p.name,
+                "tokens": p.tokens,
+                "flops": p.flops,
+                "hbm_bytes": p.hbm_bytes,
+                "collectives": p.collectives,
+            }
+            | {f"{k}_s": s for k, s in p.estimates().items()}
+            for p in self.prefills
+        ]
+        return {
+            "target": self.target,
+            "devices": self.devices,
+            "chip": dataclasses.asdict(self.chip) if self.chip else None,
+            "mesh": self.mesh,
+            "slots": self.slots,
+            "context": self.context,
+            "fits": self.fits,
+            "device_memory_bytes": self.device_memory,
+            "compile_s": self.compile_s,
+            "programs": [dataclasses.asdict(p) for p in self.programs],
+            "decode_step": step,
+            "prefills": prefills,
+        }
+
+    def table(self) -> str:
+        """The report as text for people: the programs, then the decode step against its ideal."""
+        gib = 2**30
+        mesh = f"data={self.mesh['data']},model={self.mesh['model']}"
+        chip = self.chip.name if self.chip else "unknown chip"
+        have = f"{self.device_memory / gib:.1f} GiB" if self.device_memory else "?"
+        lines = [
+            f"target: {self.target} ({self.devices} x {chip}), mesh {mesh}, "
+            f"{self.slots} slots x {self.context} positions",
+            f"memory per device: {self.footprint.total / gib:.2f} GiB of {have} "
+            f"({'fits' if self.fits else 'DOES NOT FIT'}): {self.footprint.describe()}",
+            "",
+            f"{'program':<16}{'phase':<14}{'calls':>5}{'args GiB':>10}{'temp GiB':>10}{'GFLOP':>10}"
+            f"{'HBM GiB':>10}{'cycles ms':>11}{'compile s':>11}  collectives",
+        ]
+        clock = self.chip.clock_hz if self.chip else None
+        for p in self.programs:
+            hbm = f"{p.hbm_bytes / gib:.3f}" if p.hbm_bytes is not None else "?"
+            cycles = f"{p.cycles / clock * 1e3:.3f}" if p.cycles and clock else "?"
+            lines.append(
+                f"{p.kind:<16}{p.phase:<14}{p.calls:>5}{p.argument_bytes / gib:>10.3f}{p.temp_bytes / gib:>10.3f}"
+                f"{p.flops / 1e9:>10.1f}{hbm:>10}{cycles:>11}{p.compile_s:>11.1f}  {_collectives(p.collectives)}"
+            )
+        lines += ["", "per device, per run  " + f"{'HBM GiB':>9}{'GFLOP':>9}   time by estimate (x ideal): tok/s"]
+        for phase in [self.decode, *self.prefills]:
+            seconds = phase.estimates()
+            hbm = f"{phase.hbm_bytes / gib:.2f}" if phase.hbm_bytes is not None else "?"
+            parts = []
+            for name, s in seconds.items():
+                rate = phase.tokens / s
+                parts.append(f"{name} {s * 1e3:.2f} ms ({s / phase.ideal_s:.1f}x): {rate:,.0f}")
+            lines.append(f"{phase.name:<21}{hbm:>9}{phase.flops / 1e9:>9.1f}   " + "; ".join(parts))
+            if phase is self.decode:
+                per_sequence = ", ".join(f"{name} {1 / s:,.1f}" for name, s in seconds.items())
+                lines.append(f"{'':<21}tok/s per sequence: {per_sequence}")
+                lines.append(f"{'':<21}collectives: {_collectives(phase.collectives) or 'none'}")
+        return "\n".join(lines)
+
+
+def _collectives(c: dict) -> str:
+    return ", ".join(f"{k} {v['count']}x {v['bytes'] / 2**20:.1f}MiB" for k, v in sorted(c.items()))
+
+
+def target_devices(topology: str | None):
+    """The devices of a TPU topology ("v5e:2x4", compiled for on this host; needs libtpu), or the local devices."""
+    import jax
+
+    if topology is None:
+        return jax.devices(), jax.devices()[0].device_kind
+    try:
+        from jax.experimental import topologies
+
+        devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    except Exception as e:
+        raise ValueError(
+            f"topology {topology!r}: {e}. Names look like v5e:2x4, v6e:4x4 or v5p:2x2x2; compiling for a TPU "
+            "topology needs libtpu (pip install -e '.[tpu]')"
+        ) from None
+    return devices, topology
+
+
+def quantized(config: ModelConfig, form: str) -> ModelConfig:
+    """`config` with every product's weight (not the embedding) stored as blocks of `form` (q8_0 or q4_0), as a
+    checkpoint converted from a GGUF of that type holds them."""
+    if form not in BLOCK_FORMATS:
+        raise ValueError(f"quantize={form!r}: expected one of {', '.join(BLOCK_FORMATS)}")
+    names = [n for n in param_layout(config) if block_in_dims(n) and n != "embedding"]
+    return dataclasses.replace(config, stored_as=tuple((n, form) for n in names))
+
+
+def compile_engine(
+    config: ModelConfig,
+    devices: Sequence,
+    *,
+    target: str,
+    mesh: str | dict | None = None,
+    max_slots: int = 64,
+    max_context: int | None = None,
+    kv_cache_dtype: str | None = None,
+    prefills: Sequence[tuple[int, int]] | None = None,
+    layers_per_program: int | None = None,
+) -> EngineReport:
+    """Compile the engine's programs for `config` (as restored) on `devices` and report them (see the module's
+    docstring). `prefills`: (rows, prompt tokens) of the prefills to compile; default one row of the whole
+    context and min(8, slots) rows of 512 tokens. ModelTooLarge before compiling anything where no mesh fits."""
+    started = time.perf_counter()
+    cache_dtype = kvcache.dtype(kv_cache_dtype, activation_dtype_of(config))
+    where = memory.plan(config, devices, mesh, max_slots, max_context, cache_dtype)
+    memory.check_plan(where)
+    params = as_blocks(abstract_stored(config, where.mesh), config)
+    options = {} if layers_per_program is None else {"layers_per_program": layers_per_program}
+    engine = Engine(
+        config,
+        params,
+        where.mesh,
+        eos_ids=[0],
+        max_slots=max_slots,
+        max_context=where.context,
+        kv_cache_dtype=kv_cache_dtype,
+        abstract=True,
+        **options,
+    )
+    device, programs = engine.device, engine.device.programs
+    phases: dict[str, list[Compiled]] = {}
+
+    def phase(name: str, run) -> None:
+        log.info("compiling %s", name)
+        first = len(programs.calls)
+        run()
+        phases[name] = programs.calls[first:]
+
+    context = where.context
+    before = max(buckets.MIN_BUCKET, _previous_bucket(context))
+    device.cache = kvcache.abstract(config, where.mesh, device.slots, before, cache_dtype)
+    phase("cache growth", lambda: device.resize(context))
+    phase("decode step", lambda: device.generate(list(range(device.slots)), [SamplingParams()]))
+    if prefills is None:
+        prefills = [(1, context - 1), (min(8, device.slots), min(512, context - 1))]
+    for rows, length in dict.fromkeys(prefills):
+        if not 0 < rows <= device.slots or not 0 < length < context:
+            raise ValueError(f"prefill {rows}x{length}: rows must be 1..{device.slots}, tokens 1..{context - 1}")
+        requests = [Request(None, [1] * length, SamplingParams()) for _ in range(rows)]
+        batch = [PrefillRow(r, r.prompt, 0, slot, slot) for slot, r in enumerate(requests)]
+        phase(f"prefill {rows}x{length}", lambda batch=batch: device.prefill(batch))
+
+    chip = chip_of(where.mesh.devices.flat[0])
+    reports, by_program = [], {}
+    for name, calls in phases.items():
+        for compiled in dict.fromkeys(calls):
+            report = _program_report(compiled, name, calls.count(compiled))
+            reports.append(report)
+            by_program[(name, id(compiled))] = report
+    temporaries = max(p.temp_bytes + p.code_bytes for p in reports)
+    fp = memory.footprint(config, where.mesh, device.slots, context, cache_dtype, temporaries=temporaries)
+    data, model = where.mesh.shape["data"], where.mesh.shape["model"]
+    itemsize = jnp.dtype(cache_dtype).itemsize
+    kv_bytes = sum(int(np.prod(s)) for s in cache_shapes(config, device.slots, context)) * itemsize * config.n_layers
+    ideal_bytes = stored_bytes(config) / model + kv_bytes / (data * model)
+    bandwidth = chip.hbm_bandwidth if chip else float("nan")
+    decode = _phase("decode step", device.slots, phases["decode step"], by_program, ideal_bytes / bandwidth, chip)
+    prefill_reports = []
+    for name, calls in phases.items():
+        if name.startswith("prefill"):
+            rows, length = (int(x) for x in name.split()[1].split("x"))
+            tokens = rows * length
+            flops = tokens * config.flops_per_token(length // 2) / (data * model)
+            ideal = max(flops / chip.bf16_flops, ideal_bytes / bandwidth) if chip else float("nan")
+            prefill_reports.append(_phase(name, tokens, calls, by_program, ideal, chip))
+    return EngineReport(
+        target=target,
+        devices=len(devices),
+        mesh=dict(where.mesh.shape),
+        slots=device.slots,
+        context=context,
+        chip=chip,
+        footprint=fp,
+        device_memory=where.device_memory,
+        programs=reports,
+        decode=decode,
+        prefills=prefill_reports,
+        compile_s=time.perf_counter() - started,
+    )
+
+
+def _previous_bucket(context: int) -> int:
+    """The cache length before its last growth to `context`."""
+    size = buckets.MIN_BUCKET
+    while buckets.bucket(size + 1, context) < context:
+        size = buckets.bucket(size + 1, context)
+    return size
+
+
+def _program_report(compiled: Compiled, phase: str, calls: int) -> ProgramReport:
+    executable = compiled.executable
+    m = executable.memory_analysis()
+    cost = executable.cost_analysis() or {}
+    if isinstance(cost, list):  # older jax: one dict per device program
+        cost = cost[0] if cost else {}
+    traffic, heaviest = None, []
+    if compiled.hlo_text is not None:
+        module = hlo.Module(compiled.hlo_text)
+        traffic, heaviest = module.traffic(), module.heaviest()
+    shapes = " ".join("x".join(map(str, s)) or "()" for s, _ in compiled.shapes[-3:])
+    return ProgramReport(
+        kind=compiled.kind,
+        phase=phase,
+        calls=calls,
+        shapes=shapes,
+        compile_s=compiled.seconds,
+        argument_bytes=m.argument_size_in_bytes,
+        output_bytes=m.output_size_in_bytes,
+        alias_bytes=m.alias_size_in_bytes,
+        temp_bytes=m.temp_size_in_bytes,
+        code_bytes=m.generated_code_size_in_bytes,
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        cost_model_s=float(cost.get("optimal_seconds", -1.0)),
+        hbm_bytes=traffic.hbm_bytes if traffic else None,
+        cycles=traffic.cycles if traffic else None,
+        collectives=traffic.collectives if traffic else {},
+        heaviest=heaviest,
+    )
+
+
+def _phase(name, tokens, calls, by_program, ideal_s, chip) -> PhaseReport:
+    total, flops, cost_s, complete, costed = hlo.Traffic(), 0.0, 0.0, True, True
+    for compiled in dict.fromkeys(calls):
+        p = by_program[(name, id(compiled))]
+        if p.hbm_bytes is None:
+            complete = False
+        else:
+            total.add(hlo.Traffic(p.hbm_bytes, p.cycles or 0, p.collectives), p.calls)
+        flops += p.flops * p.calls
+        costed = costed and p.cost_model_s >= 0
+        cost_s += p.cost_model_s * p.calls
+    return PhaseReport(
+        name=name,
+        tokens=tokens,
+        flops=flops,
+        hbm_bytes=total.hbm_bytes if complete else None,
+        cycles=total.cycles if complete else None,
+        cost_model_s=cost_s if costed else -1.0,
+        ideal_s=ideal_s,
+        collectives=total.collectives,
+        chip=chip,
+    )
+
+
+__all__ = ["EngineReport", "compile_engine", "quantized", "target_devices"]

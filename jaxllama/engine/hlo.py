@@ -1,0 +1,268 @@
+"""What a compiled program moves, read from its optimized HLO (`compiled.as_text()`): the bytes it reads and writes in
+device memory (HBM), the compiler's own cycle estimate, and its collectives.
+
+The compiler's cost analysis counts "bytes accessed" at every level, on-chip staging included, so it overstates what
+a memory-bound program moves. Here each instruction the device runs in turn (the entry computation's, and a loop
+body's times its trip count) is charged the bytes of its operands and result that live in HBM: a TPU layout marks
+on-chip memory as `S(1)`, so a weight prefetched into VMEM is charged once, by its copy. An operand a fusion only
+slices (a cache row gathered) is charged the slice; an update in place (a cache position written) the update, not
+the whole buffer. Custom calls (a Pallas kernel) are charged their whole operands: they may read less.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+_ITEM_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16}
+_ITEM_BITS |= {"s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128}
+_ARRAY = re.compile(r"([a-z]+[0-9a-z]*)\[([0-9,]*)\](?:\{([^}]*)\})?")
+_NAME = re.compile(r"%([\w.\-]+)")
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id"}
+_FREE |= {"opt-barrier", "add-dependency", "domain"}
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
+_SLICES = {"dynamic-slice", "slice", "gather"}
+_IN_PLACE = {"dynamic-update-slice", "scatter"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Array:
+    dtype: str
+    shape: tuple[int, ...]
+    memory_space: int  # 0: HBM (device memory); 1: a TPU core's VMEM; others: semaphores, host memory
+
+    @property
+    def bytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * _ITEM_BITS.get(self.dtype, 8 if self.dtype.startswith("f8") else 0) // 8
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.bytes if self.memory_space == 0 else 0
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    arrays: list[Array]  # the result: one array, or a tuple's
+    opcode: str
+    operands: list[str]
+    attributes: str
+    args: str = ""  # the text between the opcode's parentheses (a parameter's index)
+
+    def called(self, key: str) -> list[str]:
+        m = re.search(rf"\b{key}=\{{?([^}},]*(?:,\s*%[^}},]*)*)\}}?", self.attributes)
+        return _NAME.findall(m.group(1)) if m else []
+
+    def config_number(self, key: str) -> int:
+        """An integer field of the instruction's backend_config (searched at any depth), or 0."""
+        m = re.search(rf'"{key}":(?:\{{"n":)?"(\d+)"', self.attributes)
+        return int(m.group(1)) if m else 0
+
+
+@dataclasses.dataclass
+class Traffic:
+    """What a program (or part of one) moves: HBM bytes, the compiler's estimated cycles (summed over the
+    instructions that carry one), and per collective kind {"count", "bytes"} (the bytes of their results)."""
+
+    hbm_bytes: int = 0
+    cycles: int = 0
+    collectives: dict = dataclasses.field(default_factory=dict)
+
+    def add(self, other: Traffic, times: int = 1) -> None:
+        self.hbm_bytes += other.hbm_bytes * times
+        self.cycles += other.cycles * times
+        for kind, c in other.collectives.items():
+            mine = self.collectives.setdefault(kind, {"count": 0, "bytes": 0})
+            mine["count"] += c["count"] * times
+            mine["bytes"] += c["bytes"] * times
+
+
+def _split_type(text: str) -> tuple[str, str]:
+    """'(a, b) opcode(...)...' or 'f32[2]{0} opcode(...)' -> (type, rest)."""
+    if text.startswith("("):
+        depth = 0
+        for i, c in enumerate(text):
+            depth += {"(": 1, ")": -1}.get(c, 0)
+            if depth == 0:
+                return text[: i + 1], text[i + 1 :].lstrip()
+    head, _, rest = text.partition(" ")
+    return head, rest
+
+
+def _arrays(type_text: str) -> list[Array]:
+    out = []
+    for dtype, dims, layout in _ARRAY.findall(type_text):
+        space = re.search(r"S\((\d+)\)", layout or "")
+        shape = tuple(int(d) for d in dims.split(",") if d)
+        out.append(Array(dtype, shape, int(space.group(1)) if space else 0))
+    return out
+
+
+def _instruction(line: str) -> Instruction | None:
+    line = line.strip()
+    if line.startswith("ROOT "):
+        line = line[5:]
+    name, sep, rest = line.partition(" = ")
+    if not sep or not name.startswith("%"):
+        return None
+    type_text, rest = _split_type(rest)
+    opcode, paren, rest = rest.partition("(")
+    if not paren:
+        return None
+    depth, end = 1, len(rest)
+    for i, c in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth == 0:
+            end = i
+            break
+    operands = _NAME.findall(rest[:end])
+    return Instruction(name[1:], _arrays(type_text), opcode.strip(), operands, rest[end + 1 :], rest[:end])
+
+
+class Module:
+    """An optimized HLO module's computations, parsed from its text."""
+
+    def __init__(self, text: str):
+        self.computations: dict[str, list[Instruction]] = {}
+        self.entry: str | None = None
+        self.by_name: dict[str, Instruction] = {}
+        current = None
+        for line in text.splitlines():
+            if not line.startswith(" ") and line.rstrip().endswith("{"):
+                m = re.match(r"(ENTRY\s+)?%([\w.\-]+)", line)
+                if m:
+                    current = m.group(2)
+                    self.computations[current] = []
+                    if m.group(1):
+                        self.entry = current
+                continue
+            if line.startswith("}"):
+                current = None
+                continue
+            if current is not None and line.startswith(" "):
+                inst = _instruction(line)
+                if inst is not None:
+                    self.computations[current].append(inst)
+                    self.by_name[inst.name] = inst
+
+    def traffic(self, computation: str | None = None) -> Traffic:
+        """What running `computation` (default: the entry) moves, instruction by instruction."""
+        total = Traffic()
+        for inst in self.computations.get(computation or self.entry, []):
+            total.add(self._instruction_traffic(inst))
+        return total
+
+    def heaviest(self, n: int = 5) -> list[dict]:
+        """The entry computation's n instructions that move the most HBM bytes (a loop: its body's, times its trips),
+        each with its opcode and the jax operation it came from: where a program's bytes go."""
+        rows = []
+        for inst in self.computations.get(self.entry, []):
+            moved = self._instruction_traffic(inst).hbm_bytes
+            if moved:
+                m = re.search(r'op_name="([^"]*)"', inst.attributes)
+                rows.append({"hbm_bytes": moved, "opcode": inst.opcode, "op_name": m.group(1) if m else inst.name})
+        return sorted(rows, key=lambda r: -r["hbm_bytes"])[:n]
+
+    def _instruction_traffic(self, inst: Instruction) -> Traffic:
+        op = inst.opcode
+        if op == "while":
+            trips = inst.config_number("known_trip_count") or 1
+            body = Traffic()
+            for name in inst.called("body"):
+                body.add(self.traffic(name))
+            out = Traffic()
+            out.add(body, trips)
+            return out
+        if op == "call":
+            out = Traffic()
+            for name in inst.called("to_apply"):
+                out.add(self.traffic(name))
+            return out
+        if op == "conditional":
+            branches = [self.traffic(name) for name in inst.called("branch_computations")]
+            return max(branches, key=lambda t: t.hbm_bytes, default=Traffic())
+        if op in _FREE or op.endswith("-done"):
+            return Traffic()
+        cycles = inst.config_number("estimated_cycles")
+        if op.endswith("-start"):  # an asynchronous copy or collective: its destination is the tuple's first array
+            written = inst.arrays[0].hbm_bytes if inst.arrays else 0
+            read = sum(self._hbm(name) for name in inst.operands)
+        elif op == "fusion":
+            read, written = self._fusion_bytes(inst)
+        elif op in _IN_PLACE:
+            update = sum(self._hbm(name) for name in inst.operands[1:])
+            read, written = update, update
+        else:
+            read = sum(self._hbm(name) for name in inst.operands)
+            written = sum(a.hbm_bytes for a in inst.arrays)
+        out = Traffic(read + written, cycles)
+        kind = op.removesuffix("-start")
+        if kind in COLLECTIVES:
+            out.collectives[kind] = {"count": 1, "bytes": sum(a.bytes for a in inst.arrays[:1])}
+        return out
+
+    def _hbm(self, name: str) -> int:
+        inst = self.by_name.get(name)
+        if inst is None:
+            return 0
+        if inst.opcode.endswith("-done") or inst.opcode == "get-tuple-element":
+            return inst.arrays[0].hbm_bytes if inst.arrays else 0
+        return sum(a.hbm_bytes for a in inst.arrays)
+
+    def _fusion_bytes(self, inst: Instruction) -> tuple[int, int]:
+        """(bytes read, bytes written) in HBM by a fusion: operands it only slices count as the slices; an operand
+        updated in place (the fused root a dynamic-update-slice or scatter of it) counts neither as read nor as
+        written, its update as written."""
+        called = inst.called("calls")
+        body = self.computations.get(called[0], []) if called else []
+        params = {}
+        for i in body:
+            if i.opcode == "parameter" and i.args.strip().isdigit():
+                params[i.name] = int(i.args)
+        users: dict[str, list[Instruction]] = {name: [] for name in params}
+        for i in body:
+            for o in i.operands:
+                if o in users:
+                    users[o].append(i)
+        root = body[-1] if body else None
+        roots = [self.by_name[o] for o in root.operands if o in self.by_name] if root and root.opcode == "tuple" else []
+        roots = roots or ([root] if root else [])
+        in_place = {r.operands[0]: r for r in roots if r.opcode in _IN_PLACE and r.operands}
+        read = 0
+        for name, index in params.items():
+            if index >= len(inst.operands):
+                continue
+            full = self._hbm(inst.operands[index])
+            if name in in_place:
+                continue
+            uses = users[name]
+            if uses and all(u.opcode in _SLICES and u.operands[:1] == [name] for u in uses):
+                read += min(full, sum(sum(a.bytes for a in u.arrays) for u in uses)) if full else 0
+            else:
+                read += full
+        written = 0
+        results = inst.arrays
+        for k, r in enumerate(roots):
+            array = results[k] if k < len(results) else None
+            if array is None or array.memory_space != 0:
+                continue
+            if r.opcode in _IN_PLACE:  # dynamic-update-slice(operand, update, ...), scatter(operand, indices, updates)
+                update = r.operands[1 if r.opcode == "dynamic-update-slice" else 2 : 3][:1]
+                written += sum(self._local_bytes(o, body) for o in update)
+            else:
+                written += array.bytes
+        return read, written
+
+    def _local_bytes(self, name: str, body: list[Instruction]) -> int:
+        for i in body:
+            if i.name == name:
+                return sum(a.bytes for a in i.arrays)
+        return 0
+
+
+def program_traffic(hlo_text: str) -> Traffic:
+    """What one run of a compiled program moves (`Module.traffic` of its entry computation)."""
+    return Module(hlo_text).traffic()

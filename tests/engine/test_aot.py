@@ -1,0 +1,122 @@
+"""The engine compiled ahead of time for devices it does not run on (`engine/aot.py`): a TPU slice described on this
+host (with libtpu installed), or this host's CPU devices; the memory plan that sizes the mesh and context and refuses
+what cannot fit (`engine/memory.py`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxllama.cli import main
+from jaxllama.core.config import ModelConfig
+from jaxllama.core.shapes import known_shape
+from jaxllama.engine import aot, memory
+from jaxllama.errors import ModelTooLarge
+from jaxllama.llm import LLM
+
+TINY = ModelConfig(
+    vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256, max_seq_len=512, dtype="bfloat16"
+)
+GiB = 2**30
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="compiling for a TPU topology needs libtpu: pip install -e '.[tpu]' (the test extra installs it on Linux)",
+)
+
+
+@pytest.fixture(scope="module")
+def v5e_2x2():
+    return aot.target_devices("v5e:2x2")[0]
+
+
+@needs_libtpu
+def test_a_tiny_model_compiles_for_a_tpu_slice_and_is_measured(v5e_2x2):
+    report = aot.compile_engine(TINY, v5e_2x2, target="v5e:2x2", max_slots=8, max_context=512, prefills=[(2, 100)])
+    assert report.fits and report.chip.name == "TPU v5e" and report.device_memory == 16 * GiB
+    assert report.mesh["data"] * report.mesh["model"] == 4 and report.slots == 8 and report.context == 512
+    phases = {(p.kind, p.phase) for p in report.programs}
+    assert {
+        ("cache_resize", "cache growth"),
+        ("decode_layers", "decode step"),
+        ("decode_outputs", "decode step"),
+    } <= phases
+    assert ("prefill_layers", "prefill 2x100") in phases
+    step = report.to_json()["decode_step"]
+    # the step reads at least each device's weights and its part of the full cache, every program counted
+    assert step["hbm_bytes"] >= report.footprint.cache * 0.9 and step["ideal_s"] > 0
+    assert step["tok_s_per_sequence"]["ideal"] >= step["tok_s_per_sequence"]["hbm_traffic"] > 0
+    assert step["memory_per_chip_bytes"] == report.footprint.total
+    decode_layers = next(p for p in report.programs if p.kind == "decode_layers")
+    assert decode_layers.calls == 1 and decode_layers.flops > 0 and decode_layers.heaviest
+    if report.mesh["model"] > 1:
+        assert "all-reduce" in step["collectives"]
+    assert "decode step" in report.table() and json.dumps(report.to_json())
+
+
+@needs_libtpu
+def test_what_cannot_fit_is_refused_with_both_figures_before_compiling(v5e_2x2):
+    with pytest.raises(ModelTooLarge, match=r"needs about \d+\.\d GiB per device .* holds 16\.0 GiB"):
+        aot.compile_engine(known_shape("llama-3.1-70b"), v5e_2x2, target="v5e:2x2", max_context=2048)
+
+
+@needs_libtpu
+def test_the_plan_counts_the_cache_and_its_growth_and_picks_a_mesh_that_fits():
+    devices = aot.target_devices("v5e:4x4")[0]
+    config = aot.quantized(known_shape("llama-3.1-70b"), "q8_0")
+    bf16 = jnp.bfloat16
+    # 8 slots x 2048 fits; the mesh keeps a whole copy of the weights on no device (75 GB > 16 GiB)...
+    plan = memory.plan(config, devices, None, 8, 2048, bf16)
+    assert plan.fits and plan.mesh.shape["model"] >= 8 and plan.context == 2048
+    fp = plan.footprint
+    kv_heads_per_device = 8 // min(8, plan.mesh.shape["model"])  # 8 KV heads split at most 8 ways, else replicated
+    slots_per_device = 8 // plan.mesh.shape["data"]
+    assert fp.cache == 80 * 2 * slots_per_device * kv_heads_per_device * 128 * 2048 * 2
+    assert fp.growth == fp.cache // 80 and fp.total <= 16 * GiB
+    # ... and moves the fewest bytes per decode step of the meshes that fit
+    for spec in ("data=1,model=16", "data=2,model=8"):
+        other = memory.plan(config, devices, spec, 8, 2048, bf16)
+        assert memory.decode_bytes(plan) <= memory.decode_bytes(other)
+    with pytest.raises(ModelTooLarge, match="mesh data=16,model=1"):
+        memory.plan(config, devices, "data=16,model=1", 8, 2048, bf16)
+    # a context asked for that cannot fit beside the weights is refused with both figures...
+    with pytest.raises(ModelTooLarge, match=r"needs about .* GiB per device .* holds 16\.0 GiB"):
+        memory.plan(config, devices, None, 64, 8192, bf16)
+    # ... and without one the context is the longest that fits
+    longest = memory.plan(config, devices, None, 64, None, bf16)
+    assert longest.fits and 256 <= longest.context < 8192
+
+
+def test_the_engine_compiles_for_this_hosts_devices_without_running_anything():
+    devices = jax.devices()[:4]
+    report = aot.compile_engine(TINY, devices, target="cpu", mesh="data=2,model=2", max_slots=4, max_context=256)
+    assert report.mesh == {"data": 2, "model": 2} and report.fits and report.chip is None
+    assert report.decode.hbm_bytes > 0 and any(p.kind == "prefill_layers" for p in report.programs)
+
+
+def test_the_compile_command_reports_a_checkpoint_as_json(tiny_chat_checkpoint, capsys):
+    main(["compile", "--model", str(tiny_chat_checkpoint), "--mesh", "data=1,model=2", "--max-batch", "4"]
+         + ["--max-context", "128", "--prefill", "2x16", "--json"])  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert report["mesh"] == {"data": 1, "model": 2} and report["slots"] == 4 and report["fits"]
+    assert [p["name"] for p in report["prefills"]] == ["prefill 2x16"]
+    assert {"hbm_bytes", "ideal_s", "collectives", "memory_per_chip_bytes"} <= set(report["decode_step"])
+
+
+def test_an_unknown_model_or_topology_is_one_error_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["compile", "--model", "llama-9-9000b"])
+    assert e.value.code == 2 and "neither a checkpoint nor a known shape" in capsys.readouterr().err
+    if importlib.util.find_spec("libtpu") is not None:
+        with pytest.raises(SystemExit) as e:
+            main(["compile", "--model", "smollm2-135m", "--topology", "v9z:1x1"])
+        assert e.value.code == 2 and "Names look like v5e:2x4" in capsys.readouterr().err
+
+
+def test_compile_for_refuses_a_weight_form_it_cannot_store():
+    with pytest.raises(ValueError, match="quantize='w8a8'"):
+        LLM.compile_for("smollm2-135m", quantize="w8a8")
