@@ -187,9 +187,13 @@ class Module:
         if op in _FREE or op.endswith("-done"):
             return Traffic()
         cycles = inst.config_number("estimated_cycles")
-        if op.endswith("-start"):  # an asynchronous copy or collective: its destination is the tuple's first array
-            written = inst.arrays[0].hbm_bytes if inst.arrays else 0
-            read = sum(self._hbm(name) for name in inst.operands)
+        if op.endswith("-start"):  # an asynchronous copy, slice or collective
+            destination = self._destination(inst)
+            written = sum(a.hbm_bytes for a in destination)
+            if op.removesuffix("-start") in _SLICES:  # reads the slice, not the whole operand
+                read = sum(a.bytes for a in destination) if any(self._hbm(n) for n in inst.operands[:1]) else 0
+            else:
+                read = sum(self._hbm(name) for name in inst.operands)
         elif op == "fusion":
             read, written = self._fusion_bytes(inst)
         elif op in _IN_PLACE:
@@ -203,6 +207,17 @@ class Module:
         if kind in COLLECTIVES:
             out.collectives[kind] = {"count": 1, "bytes": sum(a.bytes for a in inst.arrays[:1])}
         return out
+
+    def _destination(self, inst: Instruction) -> list[Array]:
+        """The arrays an asynchronous start writes: its result tuple less the aliases of its operands (whose position
+        in the tuple differs by opcode) and its synchronization scalars."""
+        left = [a for a in inst.arrays if a.shape or a.memory_space == 0]
+        for name in inst.operands:
+            source = self.by_name.get(name)
+            for array in source.arrays[:1] if source else []:
+                if array in left:
+                    left.remove(array)
+        return left
 
     def _hbm(self, name: str) -> int:
         inst = self.by_name.get(name)

@@ -29,7 +29,7 @@ import numpy as np
 import psutil
 from jax.sharding import Mesh
 
-from jaxllama.core.chips import memory_of
+from jaxllama.core.chips import chip_of, memory_of
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import Ops
 from jaxllama.core.params import abstract_stored, stored_arrays_of
@@ -63,6 +63,8 @@ class Footprint:
     def describe(self) -> str:
         parts = [("weights", self.weights), ("KV cache", self.cache), ("cache growth", self.growth)]
         parts += [("decode state", self.state), ("programs", self.temporaries)]
+        if self.restoring > self.cache + self.growth + self.state:  # the load's moment is the peak
+            parts[1:4] = [("a layer being restored", self.restoring)]
         return ", ".join(f"{name} {b / 2**30:.2f}" for name, b in parts if b) + " GiB"
 
 
@@ -101,7 +103,7 @@ def footprint(
     layer = per_device_bytes(cache[0])
     data = mesh.shape["data"]
     state = math.ceil(slots / data) * (config.vocab_size * 5 + 1024)  # token counts (int32) and seen (bool)
-    restoring = _layer_bytes(config) + _layer_bytes(stored or config)
+    restoring = (_layer_bytes(config) + _layer_bytes(stored or config)) // mesh.shape["model"]  # restored sharded
     weights = per_device_bytes(abstract_stored(config, mesh))
     return Footprint(weights, layer * config.n_layers, layer, state, temporaries, restoring)
 
@@ -149,7 +151,8 @@ def decode_bytes(p: Plan) -> int:
 def too_large(p: Plan) -> str:
     """Why a plan does not fit, with both figures."""
     sizes = f"data={p.mesh.shape['data']},model={p.mesh.shape['model']}"
-    kind = p.mesh.devices.flat[0].device_kind
+    device = p.mesh.devices.flat[0]
+    kind = chip.name if (chip := chip_of(device)) else device.device_kind
     return (
         f"the model needs about {p.footprint.total / 2**30:.1f} GiB per device on mesh {sizes} with {p.slots} slots "
         f"of {p.context} positions ({p.footprint.describe()}); each {kind} device holds "
