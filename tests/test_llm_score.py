@@ -63,7 +63,7 @@ def test_score_pairs_and_texts(llm):
         ref = log_softmax(llm.logits([ids])[0])
         positions = range(len(ids) - n - 1, len(ids) - 1)
         assert score.token_ids == ids[-n:]
-        np.testing.assert_allclose(score.logprobs, [ref[j, ids[j + 1]] for j in positions], atol=1e-5)
+        np.testing.assert_allclose(score.logprobs, [ref[j, ids[j + 1]] for j in positions], rtol=1e-6, atol=1e-5)
         assert score.logprob == pytest.approx(sum(ref[j, ids[j + 1]] for j in positions), abs=1e-4)
         assert score.greedy == all(ref[j].argmax() == ids[j + 1] for j in positions)
 

@@ -160,10 +160,14 @@ class Module:
         each with its opcode and the jax operation it came from: where a program's bytes go."""
         rows = []
         for inst in self.computations.get(self.entry, []):
-            moved = self._instruction_traffic(inst).hbm_bytes
-            if moved:
+            traffic = self._instruction_traffic(inst)
+            if traffic.hbm_bytes:
                 m = re.search(r'op_name="([^"]*)"', inst.attributes)
-                rows.append({"hbm_bytes": moved, "opcode": inst.opcode, "op_name": m.group(1) if m else inst.name})
+                name = m.group(1) if m else inst.name
+                rows.append(
+                    {"hbm_bytes": traffic.hbm_bytes, "cycles": traffic.cycles, "opcode": inst.opcode}
+                    | {"op_name": name}
+                )
         return sorted(rows, key=lambda r: -r["hbm_bytes"])[:n]
 
     def _instruction_traffic(self, inst: Instruction) -> Traffic:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,15 @@ needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
     reason="compiling for a TPU topology needs libtpu: pip install -e '.[tpu]' (the test extra installs it on Linux)",
 )
+
+
+@pytest.fixture(autouse=True)
+def jaxllama_logger_kept():
+    """The command, run in this process, sends jaxllama's log to stderr alone: the logger is put back after."""
+    logger = logging.getLogger("jaxllama")
+    kept = logger.level, logger.propagate, list(logger.handlers)
+    yield
+    logger.level, logger.propagate, logger.handlers[:] = kept
 
 
 @pytest.fixture(scope="module")
