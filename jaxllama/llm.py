@@ -23,15 +23,16 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllama import backends
+from jaxllama.core import kv_groups
 from jaxllama.core.checkpoint import is_checkpoint, load_config
 from jaxllama.core.config import STORAGE_DTYPES, ModelConfig
 from jaxllama.core.model import forward, sequence_logits
-from jaxllama.core.params import activation_dtype_of, product_form
+from jaxllama.core.params import abstract_stored, activation_dtype_of, as_blocks, product_form
 from jaxllama.engine import kvcache, memory, prepared
 from jaxllama.engine.engine import DEFAULT_SLOTS, Engine, check_options
 from jaxllama.engine.programs import preload_imports
 from jaxllama.engine.request import SamplingParams
-from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir, prepared_cache
+from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir, prepared_cache, skip_absent_tpu
 from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
 from jaxllama.generation import Generation, Result
 from jaxllama.protocol.requests import OUTPUT_FORMAT_FIELDS, SAMPLING_FIELDS, output_format, samples, sampling_params
@@ -135,6 +136,7 @@ class LLM:
         from jaxllama.default_model import resolve_model
 
         check_options(quantize, kv_cache_dtype)  # before a long load
+        skip_absent_tpu()
         if compilation_cache:
             enable_compilation_cache()
         path = resolve_model(path)
@@ -150,7 +152,7 @@ class LLM:
         config = stored.with_dtype(jnp.dtype(dtype).name) if dtype is not None else stored  # as restored
         cache_dtype = kvcache.dtype(kv_cache_dtype, activation_dtype_of(config))
         where = memory.plan(config, jax.devices(), mesh, max_slots, max_context, cache_dtype, stored=stored)
-        mesh, form = where.mesh, product_form(config)
+        mesh, form, run_config = where.mesh, product_form(config), where.config
         ops = backends.choose(mesh, form, kernel_dir(), quantize=quantize)
         if where.footprint is None:  # a CPU: the host's memory
             memory.check_host(config, ops, form, mesh, stored=stored)
@@ -170,9 +172,10 @@ class LLM:
             text = pool.submit(_load_text, path, chat_template, eos_ids, extra_eos_ids)
             pool.submit(preload_imports)
             params = prepared.restore(kept, entry, Path(path), stored, mesh, dtype, ops)
+            params = _repeat_kv_heads(params, config, run_config, mesh)
             tokenizer, template, eos = text.result()
         return cls(
-            config,
+            run_config,
             params,
             mesh,
             tokenizer,
@@ -448,6 +451,16 @@ def _load_text(
         extra=extra_eos_ids,
     )
     return tokenizer, template, eos
+
+
+def _repeat_kv_heads(params, config: ModelConfig, run_config: ModelConfig, mesh):
+    """The restored params of `config` as `run_config` runs them: each KV head repeated to fill the mesh's model axis
+    (`core/kv_groups.py`), a layer at a time."""
+    r = run_config.n_kv_heads // config.n_kv_heads
+    if r == 1:
+        return params
+    layer = as_blocks(abstract_stored(run_config, mesh), run_config)["layers_0"]
+    return kv_groups.repeat_on_mesh(params, config, r, jax.tree.map(lambda x: x.sharding, layer))
 
 
 def _default_decode_steps(mesh) -> int:

@@ -16,7 +16,7 @@ from jaxllama.backends.cpu import library
 from jaxllama.backends.cpu.matmul import QUANTIZATIONS, check_quantization
 from jaxllama.backends.cpu.ops import CpuOps
 from jaxllama.core.blocks import FORMATS
-from jaxllama.core.ops import XLA, Ops
+from jaxllama.core.ops import ACCELERATOR, XLA, Ops
 
 __all__ = ["QUANTIZATIONS", "check_quantization", "choose"]
 
@@ -38,4 +38,4 @@ def choose(mesh: Mesh, dtype, kernel_dir: Path, *, cpu_kernels: bool = True, qua
             f"quantize={quantize!r} runs through the CPU kernels: one CPU device, float32, bfloat16 or block "
             f"weights (here: {platform}, {mesh.size} device(s), {name})"
         )
-    return XLA
+    return XLA if platform == "cpu" else ACCELERATOR

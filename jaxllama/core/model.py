@@ -15,10 +15,10 @@ Rotary embeddings use Meta's convention: dimension pairs (2i, 2i+1) of each head
 weights already are; Hugging Face's q/k projections are permuted back; GGUF files already hold
 Meta's layout (llama.cpp's converter undoes Hugging Face's permutation).
 
-The KV cache is an explicit input and output: per layer a pair (k, v), keys [batch, kv_heads, head_dim,
-cache_len] and values [batch, kv_heads, cache_len, head_dim] (`cache_shapes`). A call writes the
-keys/values of its tokens at their positions, then every query attends to the cache entries at positions
-<= its own. The same code runs a whole sequence (a fresh cache as long as the sequence), a prefill (a fresh
+The KV cache is an explicit input and output: per layer a pair (k, v), values [batch, kv_heads, cache_len,
+head_dim] and keys the same or transposed, as the backend's `Ops.cache_layout` says (`core/cache_layout.py`). A
+call writes the keys/values of its tokens at their positions, then every query attends to the cache entries at
+positions <= its own. The same code runs a whole sequence (a fresh cache as long as the sequence), a prefill (a fresh
 cache as long as the bucket) and a decode step (one token per row, each row at its own position).
 """
 
@@ -35,7 +35,7 @@ from jaxllama.core.blocks import Blocks, dequantize
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import XLA, Ops
 
-KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v); see `cache_shapes`
+KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v), laid out as `Ops.cache_layout` says
 
 # The products that share an input, as the math above computes them: a backend may run each group as one product
 # (`Ops.project`, `Ops.gated`). PRODUCT_IN_DIMS: every product's weight, by its name in a layer's params, and the
@@ -43,17 +43,6 @@ KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v); see `cache_shap
 QKV = ("wq", "wk", "wv")
 GATE_UP = ("w1", "w3")
 PRODUCT_IN_DIMS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w1": 1, "w2": 1, "w3": 1, "output": 1}
-
-# The cache's logical axes and length axis, for keys and for values. Keys are stored transposed, so that the
-# q.k products of a decode step run along the cached positions (XLA:CPU's loops then read them in order).
-CACHE_AXES = (("batch", "kv_heads", "head_dim", "cache_seq"), ("batch", "kv_heads", "cache_seq", "head_dim"))
-CACHE_LENGTH_AXIS = (3, 2)
-
-
-def cache_shapes(config: ModelConfig, batch: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shapes of one layer's keys and values."""
-    kv, hd = config.n_kv_heads, config.head_dim
-    return (batch, kv, hd, length), (batch, kv, length, hd)
 
 
 def rope_frequencies(config: ModelConfig) -> np.ndarray:
@@ -105,8 +94,8 @@ def rms_norm(p, x: jax.Array, eps: float) -> jax.Array:
 
 
 def attention(p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None, ops: Ops = XLA):
-    """x [b, t, dim], positions [b, t] and their `rope_angles`; cache_k [n, kv_heads, head_dim, s], cache_v
-    [n, kv_heads, s, head_dim] -> (out, cache_k, cache_v).
+    """x [b, t, dim], positions [b, t] and their `rope_angles`; cache_k and cache_v n rows of s positions, laid out
+    as `ops.cache_layout` says -> (out, cache_k, cache_v).
 
     `rows` [b] (optional): the cache row of each x row (n may then exceed b; an index >= n writes nothing);
     by default row i of x is row i of the cache (n == b)."""
@@ -115,7 +104,10 @@ def attention(p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None
 
     # Write this call's keys/values at their positions (rows past the cache's end are dropped).
     at = (jnp.arange(x.shape[0]) if rows is None else rows)[:, None]
-    cache_k = cache_k.at[at, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
+    if ops.cache_layout.transposed_keys:
+        cache_k = cache_k.at[at, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
+    else:
+        cache_k = cache_k.at[at, :, positions].set(k.astype(cache_k.dtype), mode="drop")
     cache_v = cache_v.at[at, :, positions].set(v.astype(cache_v.dtype), mode="drop")
     q = q.reshape(*q.shape[:2], c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim)  # [b, t, kv, g, hd]
     out = ops.attention(q, cache_k, cache_v, positions, rows)
@@ -225,9 +217,9 @@ def declarations(c: ModelConfig) -> dict[str, Declared]:
     return flat
 
 
-def empty_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:
-    """A zero KV cache of `length` positions."""
-    k, v = cache_shapes(config, batch, length)
+def empty_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.float32, ops: Ops = XLA) -> KVCache:
+    """A zero KV cache of `length` positions, laid out for `ops`."""
+    k, v = ops.cache_layout.shapes(config, batch, length)
     return [(jnp.zeros(k, dtype), jnp.zeros(v, dtype)) for _ in range(config.n_layers)]
 
 
@@ -242,5 +234,5 @@ def sequence_logits(params, config: ModelConfig, tokens: jax.Array, ops: Ops = X
     """Logits [b, t, vocab] (float32) of whole sequences tokens [b, t], each starting at position 0."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    cache = empty_cache(config, b, t, activation_dtype(params["embedding"]))
+    cache = empty_cache(config, b, t, activation_dtype(params["embedding"]), ops)
     return forward(params, config, tokens, positions, cache, ops=ops)[0]

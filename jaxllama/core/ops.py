@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllama.core.blocks import Blocks, dequantize
+from jaxllama.core.cache_layout import POSITIONS_MAJOR, CacheLayout
 
 # XLA:CPU's option that turns its YNNPACK matrix-product kernels off (see `Ops.compiler_options`).
 NO_YNNPACK = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -32,9 +33,16 @@ NO_YNNPACK = {"xla_cpu_experimental_ynn_fusion_type": ""}
 class Ops:
     """XLA's own operations. `prepared_on_host`: whether `prepare` makes new arrays in host memory (a CPU backend's
     packed weights), which a load may keep in a file and map back later (`engine/prepared.py`); XLA's read the
-    restored arrays as they are."""
+    restored arrays as they are. `float32_products`: attention's products of 16-bit operands give float32 (the
+    matrix units of TPUs and GPUs accumulate in it; `ACCELERATOR`); XLA:CPU has no such product (BF16 x BF16 = F32
+    is unimplemented there), so by default they give the operands' dtype, widened after."""
+
+    float32_products: bool = dataclasses.field(default=False, kw_only=True)
 
     prepared_on_host: ClassVar[bool] = False
+    # XLA's keys are positions-major, like the values: a decode step writes one vector per head in place and runs q.k
+    # as a batched product (the matrix unit of a TPU or GPU), with no relayout of the cache.
+    cache_layout: ClassVar[CacheLayout] = POSITIONS_MAJOR
 
     def prepare(self, params, config) -> dict:
         """params (the whole tree, or part of it) as this backend's products read them. XLA reads the checkpoint's
@@ -67,20 +75,25 @@ class Ops:
         return jax.nn.silu(self.linear(x, p[gate])) * self.linear(x, p[up])
 
     def attention(self, q, cache_k, cache_v, positions, rows=None) -> jax.Array:
-        """Each query against its row of the cache, up to its own position: q [b, t, kv, g, hd], cache_k
-        [n, kv, hd, s], cache_v [n, kv, s, hd], positions [b, t]; rows [b] the cache row of each batch row (an index
-        >= n reads zeros), by default row i -> [b, t, kv, g, hd]."""
+        """Each query against its row of the cache, up to its own position: q [b, t, kv, g, hd], cache_k and
+        cache_v [n, kv, s, hd] (`cache_layout`), positions [b, t]; rows [b] the cache row of each batch row (an index
+        >= n reads zeros), by default row i -> [b, t, kv, g, hd]. Scores, softmax and sums in float32 (products
+        accumulate in it), as batched matrix products over the cached positions."""
         keys, values = cache_k, cache_v
         if rows is not None:  # this batch's rows, read in place: XLA fuses the gather into the attention loops.
             # (With mode="clip", a single row becomes a slice fused with the write, and XLA copies the cache.)
             keys, values = (jnp.take(c, rows, axis=0, mode="fill", fill_value=0) for c in (cache_k, cache_v))
         visible = jnp.arange(values.shape[2])[None, None, :] <= positions[:, :, None]  # [b, t, s]
-        if q.shape[1] == 1:
-            return _one_query_attention(q[:, 0], keys, values, visible[:, 0])[:, None]
-        scores = jnp.einsum("btkgd,bkds->bkgts", q, keys.astype(q.dtype)).astype(jnp.float32)
+        scores = self._product("btkgd,bksd->bkgts", q, keys.astype(q.dtype))
         scores = jnp.where(visible[:, None, None], scores * (1.0 / np.sqrt(q.shape[-1])), -1e30)
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        return jnp.einsum("bkgts,bksd->btkgd", probs, values.astype(q.dtype))
+        return self._product("bkgts,bksd->btkgd", probs, values.astype(q.dtype)).astype(q.dtype)
+
+    def _product(self, spec: str, a, b) -> jax.Array:
+        """einsum(spec, a, b) in float32 (see `float32_products`)."""
+        if self.float32_products:
+            return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+        return jnp.einsum(spec, a, b).astype(jnp.float32)
 
     def greedy(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         """logits [b, v] float32 -> (the most likely token [b] int32, the first on ties; its log-probability [b])."""
@@ -103,17 +116,6 @@ class Ops:
         return ()
 
 
-def _one_query_attention(q, cache_k, cache_v, visible):
-    """One query per row: q [b, kv, g, hd], cache_k [b, kv, hd, s], cache_v [b, kv, s, hd], visible [b, s] ->
-    [b, kv, g, hd]. Written as products and sums, which XLA fuses into loops over the cache, instead of b * kv
-    tiny matrix products."""
-    scale = 1.0 / np.sqrt(q.shape[-1])
-    scores = jnp.sum(q[..., None] * cache_k[:, :, None].astype(q.dtype), axis=-2, dtype=jnp.float32)
-    scores = jnp.where(visible[:, None, None, :], scores * scale, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # [b, kv, g, s]
-    return jnp.sum(probs[..., None] * cache_v[:, :, None, :, :].astype(q.dtype), axis=-2)
-
-
 def logprob_of(logits, tokens):
     """log softmax(logits)[tokens], without writing out the whole [b, v] log-softmax."""
     picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
@@ -121,3 +123,4 @@ def logprob_of(logits, tokens):
 
 
 XLA = Ops()
+ACCELERATOR = Ops(float32_products=True)  # XLA's operations on a TPU or GPU

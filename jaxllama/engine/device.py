@@ -78,7 +78,8 @@ class Device:
         self.cache_dtype, self.min_cache, self.abstract = cache_dtype, min_cache, abstract
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._activations = NamedSharding(mesh, PartitionSpec("data"))  # [batch, ...], batch over `data`
-        self._cache_sharding = kvcache.cache_sharding(config, mesh)  # one layer's (keys, values)
+        self.layout = ops.cache_layout
+        self._cache_sharding = kvcache.cache_sharding(config, mesh, self.layout)  # one layer's (keys, values)
         self._rows = named_sharding(mesh, config, ("batch",))
         self._seeds = random.Random(agreed_seed())  # for requests without a seed: the same on every process
         self.platform = mesh.devices.flat[0].platform
@@ -106,9 +107,10 @@ class Device:
         length = buckets.bucket(min_cache, max_context)
         self._cache, self._allocating = None, None
         if abstract:
-            self._cache = kvcache.abstract(config, mesh, slots, length, cache_dtype)
+            self._cache = kvcache.abstract(config, mesh, slots, length, cache_dtype, self.layout)
         elif jax.process_count() == 1:
-            self._allocating = _ALLOCATOR.submit(kvcache.allocate, config, mesh, slots, length, cache_dtype)
+            allocate = functools.partial(kvcache.allocate, config, mesh, slots, length, cache_dtype, self.layout)
+            self._allocating = _ALLOCATOR.submit(allocate)
 
     # ---- the interface ----------------------------------------------------------------------------
 
@@ -120,7 +122,8 @@ class Device:
             if self._allocating is not None:
                 self._cache = self._allocating.result()
             else:
-                self._cache = kvcache.allocate(self.config, self.mesh, self.slots, length, self.cache_dtype)
+                args = (self.config, self.mesh, self.slots, length, self.cache_dtype, self.layout)
+                self._cache = kvcache.allocate(*args)
         return self._cache
 
     @cache.setter
@@ -145,7 +148,7 @@ class Device:
     def resize(self, length: int) -> None:
         """Give the cache `length` positions: zero-padded when growing, truncated when shrinking; a layer at a time,
         each layer's old arrays dropped (freed) as soon as its new ones are made, so that two caches never coexist."""
-        fn = functools.partial(kvcache.resize_layer, length=length)
+        fn = functools.partial(kvcache.resize_layer, length=length, layout=self.layout)
         cache = self.cache
         for i in range(len(cache)):  # no donation: the new arrays have another shape
             cache[i] = self._call("cache_resize", fn, (cache[i],), out=self._cache_sharding)
@@ -256,8 +259,8 @@ class Device:
     def _prefill_layers(self, x, positions, rope, sources, slots, span: int, fresh: bool):
         """Every layer of a prefill, a run of layers at a time (`step.prefill_layers`): the rows' caches start empty
         (`fresh`) or as copies of the first `span` positions of slots `sources`, and end in slots `slots`."""
-        take = functools.partial(kvcache.take_rows, span=span)
-        put = functools.partial(kvcache.put_rows, span=span)
+        take = functools.partial(kvcache.take_rows, span=span, layout=self.layout)
+        put = functools.partial(kvcache.put_rows, span=span, layout=self.layout)
         cache_dtype = jnp.dtype(self.cache_dtype).name  # a static argument: a name, not a dtype object
         run_layers = functools.partial(step.prefill_layers, config=self.config, ops=self.ops, cache_dtype=cache_dtype)
         for (a, b), params in zip(self._runs, self._run_params, strict=True):

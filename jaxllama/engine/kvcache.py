@@ -1,4 +1,5 @@
-"""The decode slots' KV cache: per layer (k, v) in the model's layout (`model.cache_shapes`), batch = slots.
+"""The decode slots' KV cache: per layer (k, v), batch = slots, laid out as the backend reads it (`Ops.cache_layout`,
+`core/cache_layout.py`; every function here takes that `layout`).
 
 `length` is a bucket (`buckets.bucket`), not the model's context: the cache grows to the next bucket when a sequence
 needs it and shrinks when the long sequences are gone, so attention reads only about the part in use. It is resized
@@ -14,8 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jaxllama.core.cache_layout import POSITIONS_MAJOR, CacheLayout
 from jaxllama.core.config import ModelConfig
-from jaxllama.core.model import CACHE_AXES, CACHE_LENGTH_AXIS, KVCache, cache_shapes
+from jaxllama.core.model import KVCache
 from jaxllama.core.sharding import named_sharding
 
 # What the cache may be stored in (`Engine(kv_cache_dtype=...)`, `--kv-cache-dtype`); by default the weights' dtype.
@@ -33,30 +35,30 @@ def dtype(name: str | None, default):
     return DTYPES[name]
 
 
-def cache_sharding(config: ModelConfig, mesh: Mesh):
+def cache_sharding(config: ModelConfig, mesh: Mesh, layout: CacheLayout = POSITIONS_MAJOR):
     """The shardings of one layer's (keys, values)."""
-    return tuple(named_sharding(mesh, config, axes) for axes in CACHE_AXES)
+    return tuple(named_sharding(mesh, config, axes) for axes in layout.axes)
 
 
 def length(cache: KVCache) -> int:
-    """The positions the cache holds."""
-    return cache[0][0].shape[CACHE_LENGTH_AXIS[0]]
+    """The positions the cache holds (the values' length axis: the same in every layout)."""
+    return cache[0][1].shape[2]
 
 
-def abstract(config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype) -> KVCache:
+def abstract(config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype, layout=POSITIONS_MAJOR) -> KVCache:
     """The cache's shapes, dtypes and shardings (ShapeDtypeStructs): what programs are compiled for without one."""
-    shapes, shardings = cache_shapes(config, slots, length), cache_sharding(config, mesh)
+    shapes, shardings = layout.shapes(config, slots, length), cache_sharding(config, mesh, layout)
     layer = tuple(jax.ShapeDtypeStruct(s, dtype, sharding=d) for s, d in zip(shapes, shardings, strict=True))
     return [layer] * config.n_layers
 
 
-def allocate(config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype) -> KVCache:
-    shapes, shardings = cache_shapes(config, slots, length), cache_sharding(config, mesh)
+def allocate(config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype, layout=POSITIONS_MAJOR) -> KVCache:
+    shapes, shardings = layout.shapes(config, slots, length), cache_sharding(config, mesh, layout)
     make = [jax.jit(lambda s=s: jnp.zeros(s, dtype), out_shardings=d) for s, d in zip(shapes, shardings, strict=True)]
     return [(make[0](), make[1]()) for _ in range(config.n_layers)]
 
 
-def resize_layer(layer: tuple, *, length: int) -> tuple:
+def resize_layer(layer: tuple, *, length: int, layout: CacheLayout) -> tuple:
     """One layer's (keys, values) with `length` positions: zero-padded when growing, truncated when shrinking."""
 
     def one(x, axis):
@@ -64,7 +66,7 @@ def resize_layer(layer: tuple, *, length: int) -> tuple:
             return jnp.pad(x, [(0, length - x.shape[axis]) if i == axis else (0, 0) for i in range(x.ndim)])
         return jax.lax.slice_in_dim(x, 0, length, axis=axis)
 
-    return tuple(one(x, axis) for x, axis in zip(layer, CACHE_LENGTH_AXIS, strict=True))
+    return tuple(one(x, axis) for x, axis in zip(layer, layout.length_axis, strict=True))
 
 
 def _first(span: int, axis: int) -> tuple:
@@ -72,24 +74,24 @@ def _first(span: int, axis: int) -> tuple:
     return tuple(slice(0, span) if i == axis else slice(None) for i in range(1, axis + 1))
 
 
-def take_rows(cache: KVCache, rows, span: int) -> KVCache:
+def take_rows(cache: KVCache, rows, span: int, layout: CacheLayout) -> KVCache:
     """Rows `rows` of the cache, their first `span` positions (an index past the last row clips to it)."""
     return [
         tuple(
             jnp.take(x[(slice(None), *_first(span, axis))], rows, axis=0, mode="clip")
-            for x, axis in zip(layer, CACHE_LENGTH_AXIS, strict=True)
+            for x, axis in zip(layer, layout.length_axis, strict=True)
         )
         for layer in cache
     ]
 
 
-def put_rows(cache: KVCache, new: KVCache, rows, span: int) -> KVCache:
+def put_rows(cache: KVCache, new: KVCache, rows, span: int, layout: CacheLayout) -> KVCache:
     """The cache with the first `span` positions of rows `rows` replaced by `new` (an index past the last row
     writes nothing)."""
     return [
         tuple(
             x.at[(rows, *_first(span, axis))].set(n.astype(x.dtype), mode="drop")
-            for x, n, axis in zip(layer, new_layer, CACHE_LENGTH_AXIS, strict=True)
+            for x, n, axis in zip(layer, new_layer, layout.length_axis, strict=True)
         )
         for layer, new_layer in zip(cache, new, strict=True)
     ]

@@ -29,6 +29,7 @@ import numpy as np
 import psutil
 from jax.sharding import Mesh
 
+from jaxllama.core import kv_groups
 from jaxllama.core.chips import chip_of, memory_of
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import Ops
@@ -78,6 +79,7 @@ class Plan:
     context: int
     footprint: Footprint | None = None  # None on a CPU
     device_memory: int | None = None
+    config: ModelConfig | None = None  # the model as it runs on the mesh: its KV heads repeated (`kv_groups`)
 
     @property
     def fits(self) -> bool:
@@ -124,18 +126,20 @@ def plan(
     if memory is None:  # a CPU: the host's memory, checked by `check_host`
         mesh = make_mesh(config, spec, devices)
         slots = buckets.slot_count(max_slots, mesh.shape["data"])
-        return Plan(mesh, slots, min(max_context or config.max_seq_len, config.max_seq_len))
+        run = kv_groups.repeated_config(config, kv_groups.repeats(config, mesh.shape["model"]))
+        return Plan(mesh, slots, min(max_context or config.max_seq_len, config.max_seq_len), config=run)
     sizes = parse_mesh(spec)
     candidates = [sizes["model"]] if sizes else model_axes(config, len(devices))
     plans = []
     for model in candidates:
         mesh = make_mesh(config, spec, devices, model_axis=model)
+        run = kv_groups.repeated_config(config, kv_groups.repeats(config, model))
         slots = buckets.slot_count(max_slots, mesh.shape["data"])
         context = min(max_context or config.max_seq_len, config.max_seq_len)
         if max_context is None:
-            context = _longest_context(config, mesh, slots, context, cache_dtype, memory, stored)
-        needs = footprint(config, mesh, slots, context, cache_dtype, stored=stored)
-        plans.append(Plan(mesh, slots, context, needs, memory))
+            context = _longest_context(run, mesh, slots, context, cache_dtype, memory, stored)
+        needs = footprint(run, mesh, slots, context, cache_dtype, stored=stored)
+        plans.append(Plan(mesh, slots, context, needs, memory, run))
     fitting = [p for p in plans if p.fits]
     if not fitting:
         smallest = min(plans, key=lambda p: p.footprint.total)

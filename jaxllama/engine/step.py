@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllama.core.config import ModelConfig
-from jaxllama.core.model import KVCache, cache_shapes, embed, head, layers, rope_angles
+from jaxllama.core.model import KVCache, embed, head, layers, rope_angles
 from jaxllama.core.ops import XLA, Ops
 from jaxllama.engine.interface import LENGTH, RUNNING, STOPPED
 from jaxllama.engine.request import MAX_LOGPROBS
@@ -164,7 +164,7 @@ def prefill_layers(
     length. `cache_dtype`: the slots' cache's (default x's), which fresh rows' caches take, so that a prompt attends
     over the same rounded keys and values whether or not it starts from a stored prefix."""
     if rows is None:
-        shapes = cache_shapes(config, x.shape[0], x.shape[1])
+        shapes = ops.cache_layout.shapes(config, x.shape[0], x.shape[1])
         rows = [tuple(jnp.zeros(shape, cache_dtype or x.dtype) for shape in shapes)] * len(layer_params)
     return layers(layer_params, config, x, positions, rows, rope=rope, ops=ops)
 

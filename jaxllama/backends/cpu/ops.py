@@ -23,6 +23,7 @@ from jaxllama.backends.cpu import library, matmul
 from jaxllama.backends.cpu.decode_attention import decode_attention
 from jaxllama.backends.cpu.row_stats import row_stats
 from jaxllama.core.blocks import BLOCK, GGUF_BLOCK_BYTES, Blocks
+from jaxllama.core.cache_layout import TRANSPOSED_KEYS, CacheLayout
 from jaxllama.core.model import GATE_UP, PRODUCT_IN_DIMS, QKV
 from jaxllama.core.ops import NO_YNNPACK, Ops
 from jaxllama.core.params import param_layout
@@ -45,6 +46,8 @@ class CpuOps(Ops):
 
     quantize: str | None = None
     prepared_on_host: ClassVar[bool] = True
+    # The attention kernel reads keys transposed: its q.k loops run along the cached positions in order.
+    cache_layout: ClassVar[CacheLayout] = TRANSPOSED_KEYS
 
     def __post_init__(self):
         matmul.check_quantization(self.quantize)

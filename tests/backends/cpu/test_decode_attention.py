@@ -26,6 +26,8 @@ def kernel(cpu_kernels):
 
 
 def xla_attention(q, keys, values, slots, positions):
+    """XLA's attention over the kernel's cache: keys transposed for the kernel, positions-major for XLA."""
+    keys = jnp.swapaxes(keys, 2, 3)
     return XLA.attention(q[:, None], keys, values, positions[:, None], rows=slots)[:, 0]
 
 
