@@ -172,7 +172,8 @@ def run(
       decode_steps: decode steps per host round trip.
       quantize: q8_0, w8a8 or q4_0 to quantize float weights at load (one CPU device): int8 weights (llama.cpp's
         Q8_0) multiplied by inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512
-        VNNI), or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored.
+        VNNI), or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored. int8:
+        on an accelerator (or a CPU mesh), int8 weights with a scale per output channel (blocks requantized).
       dtype: float32, bfloat16 or float16 to convert every weight to it while loading (blocks dequantized);
         default: the weights as the checkpoint stores them.
       kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits; auto (default): the weights' dtype.
@@ -288,7 +289,8 @@ def serve(
       decode_steps: decode steps per host round trip.
       quantize: q8_0, w8a8 or q4_0 to quantize float weights at load (one CPU device): int8 weights (llama.cpp's
         Q8_0) multiplied by inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512
-        VNNI), or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored.
+        VNNI), or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored. int8:
+        on an accelerator (or a CPU mesh), int8 weights with a scale per output channel (blocks requantized).
       dtype: float32, bfloat16 or float16 to convert every weight to it while loading (blocks dequantized);
         default: the weights as the checkpoint stores them.
       kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits; auto (default): the weights' dtype.
@@ -335,7 +337,8 @@ def compile(
       max_batch: decode slots.
       max_context: context in positions (default: on an accelerator the longest that fits, at most the model's).
       dtype: float32, bfloat16 or float16: every weight in it (default: the checkpoint's; bfloat16 for a shape).
-      quantize: q8_0 or q4_0: every product's weight stored as llama.cpp's blocks.
+      quantize: int8: every product's weight quantized at load, with a scale per output channel (XLA's products on
+        an accelerator); q8_0 or q4_0: stored as llama.cpp's blocks of 32, as a converted GGUF of that type holds them.
       kv_cache_dtype: float32, float16 or bfloat16 (default: the weights').
       prefill: the prefills to compile, ROWSxTOKENS separated by commas (default: 1xCONTEXT-1,8x512).
       json: print the report as one JSON object.
@@ -438,7 +441,8 @@ def chat(
       chat_template: a built-in template name or a .jinja file.
       quantize: q8_0, w8a8 or q4_0 to quantize float weights at load (one CPU device): int8 weights (llama.cpp's
         Q8_0) multiplied by inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512
-        VNNI), or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored.
+        VNNI), or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored. int8:
+        on an accelerator (or a CPU mesh), int8 weights with a scale per output channel (blocks requantized).
       dtype: float32, bfloat16 or float16 to convert every weight to it while loading (blocks dequantized);
         default: the weights as the checkpoint stores them.
       kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits; auto (default): the weights' dtype.
@@ -492,7 +496,7 @@ METAVARS = {
     "max_context": "N",
     "decode_steps": "N",
     "max_tokens": "N",
-    "quantize": "w8a8|q8_0|q4_0",
+    "quantize": "int8|w8a8|q8_0|q4_0",
     "dtype": "float32|bfloat16",
     "kv_cache_dtype": "float16",
     "stats_file": "stats.json",

@@ -127,6 +127,7 @@ class LLM:
         checkpoint's. `eos_ids` replaces the end-of-generation set; `extra_eos_ids` extends it. `quantize`:
         generate with int8 weights in blocks of 32 (llama.cpp's Q8_0), on one CPU device: 'q8_0' multiplies them by
         the inputs in int16, 'w8a8' by the inputs in int8 (as llama.cpp does; fastest on CPUs with AVX-512 VNNI);
+        'int8', on XLA's path (accelerators, a CPU mesh), int8 weights with a scale per output channel;
         `logits` and `forward` run on the same weights. `kv_cache_dtype`: 'float16' or 'bfloat16' keeps the
         KV cache in 16 bits (half the bytes attention reads), 'float32', or None for the weights' dtype.
         `compilation_cache`: keep compiled programs on disk (`runtime.enable_compilation_cache`); `keep_prepared`:
@@ -151,7 +152,9 @@ class LLM:
         stored = load_config(path, check=digest is None or not prepared.checked(kept, digest))
         config = stored.with_dtype(jnp.dtype(dtype).name) if dtype is not None else stored  # as restored
         cache_dtype = kvcache.dtype(kv_cache_dtype, activation_dtype_of(config))
-        where = memory.plan(config, jax.devices(), mesh, max_slots, max_context, cache_dtype, stored=stored)
+        where = memory.plan(
+            config, jax.devices(), mesh, max_slots, max_context, cache_dtype, stored=stored, quantize=quantize
+        )
         mesh, form, run_config = where.mesh, product_form(config), where.config
         ops = backends.choose(mesh, form, kernel_dir(), quantize=quantize)
         if where.footprint is None:  # a CPU: the host's memory
@@ -206,9 +209,9 @@ class LLM:
         """Compile the engine for a target without its weights and report whether the model fits and how fast it
         would decode (`engine/aot.py`): `model` a known shape name (`core/shapes.py`: "llama-3.1-8b"), a
         checkpoint (only its config is read) or a config; `topology` a TPU slice such as "v5e:2x4" (needs libtpu),
-        default the local devices. `dtype` converts every weight; `quantize` ("q8_0", "q4_0") stores every product's
-        weight as blocks. Returns an `aot.EngineReport` (`.table()`, `.to_json()`); raises ModelTooLarge, with the
-        figures, where no mesh fits."""
+        default the local devices. `dtype` converts every weight; `quantize` "int8" quantizes every product's weight
+        at load (a scale per output channel), "q8_0" or "q4_0" stores it as blocks. Returns an `aot.EngineReport`
+        (`.table()`, `.to_json()`); raises ModelTooLarge, with the figures, where no mesh fits."""
         from jaxllama.core.shapes import SHAPES, known_shape
         from jaxllama.default_model import resolve_model
         from jaxllama.engine import aot
@@ -226,7 +229,7 @@ class LLM:
             if jnp.dtype(dtype).name not in STORAGE_DTYPES:
                 raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(STORAGE_DTYPES)}")
             config = config.with_dtype(jnp.dtype(dtype).name)
-        if quantize is not None:
+        if quantize is not None and quantize != "int8":
             config = aot.quantized(config, quantize)
         devices, target = aot.target_devices(topology)
         return aot.compile_engine(
@@ -238,6 +241,7 @@ class LLM:
             max_context=max_context,
             kv_cache_dtype=kv_cache_dtype,
             prefills=prefills,
+            quantize="int8" if quantize == "int8" else None,
         )
 
     @property

@@ -12,13 +12,22 @@ from pathlib import Path
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxllama.backends.cpu import library
-from jaxllama.backends.cpu.matmul import QUANTIZATIONS, check_quantization
+from jaxllama.backends.cpu import library, matmul
 from jaxllama.backends.cpu.ops import CpuOps
 from jaxllama.core.blocks import FORMATS
 from jaxllama.core.ops import ACCELERATOR, XLA, Ops
 
 __all__ = ["QUANTIZATIONS", "check_quantization", "choose"]
+
+# "int8": XLA's products on int8 weights with a scale per output channel (`core/int8_weights.py`: for accelerators);
+# the others are the CPU kernels' (`cpu/matmul.py`).
+QUANTIZATIONS = ("int8", *matmul.QUANTIZATIONS)
+
+
+def check_quantization(name: str | None) -> None:
+    """Raise ValueError unless name is None (weights as stored) or one of QUANTIZATIONS."""
+    if name is not None and name not in QUANTIZATIONS:
+        raise ValueError(f"quantize={name!r}: expected one of {', '.join(QUANTIZATIONS)} or None")
 
 
 def choose(mesh: Mesh, dtype, kernel_dir: Path, *, cpu_kernels: bool = True, quantize: str | None = None) -> Ops:
@@ -30,6 +39,8 @@ def choose(mesh: Mesh, dtype, kernel_dir: Path, *, cpu_kernels: bool = True, qua
     name = dtype if dtype in FORMATS else jnp.dtype(dtype).name
     readable = name in ("float32", "bfloat16", *FORMATS)
     platform = mesh.devices.flat[0].platform  # the mesh's, not the host's: a mesh may be of devices elsewhere
+    if quantize == "int8":
+        return Ops(float32_products=platform != "cpu", int8_weights=True)
     usable = cpu_kernels and platform == "cpu" and mesh.size == 1 and readable
     if usable and library.load(kernel_dir):
         return CpuOps(quantize)

@@ -15,6 +15,7 @@ product, where XLA fuses the dequantization into the product's loops: no wider c
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -22,8 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllama.core import int8_weights
 from jaxllama.core.blocks import Blocks, dequantize
 from jaxllama.core.cache_layout import POSITIONS_MAJOR, CacheLayout
+from jaxllama.core.int8_weights import Int8
 
 # XLA:CPU's option that turns its YNNPACK matrix-product kernels off (see `Ops.compiler_options`).
 NO_YNNPACK = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -38,6 +41,8 @@ class Ops:
     is unimplemented there), so by default they give the operands' dtype, widened after."""
 
     float32_products: bool = dataclasses.field(default=False, kw_only=True)
+    # Every product's weight as int8 with a scale per output channel (`int8_weights.py`), made at load.
+    int8_weights: bool = dataclasses.field(default=False, kw_only=True)
 
     prepared_on_host: ClassVar[bool] = False
     # XLA's keys are positions-major, like the values: a decode step writes one vector per head in place and runs q.k
@@ -46,8 +51,20 @@ class Ops:
 
     def prepare(self, params, config) -> dict:
         """params (the whole tree, or part of it) as this backend's products read them. XLA reads the checkpoint's
-        weights as they are."""
-        return params
+        weights as they are, or with `int8_weights` each product's weight quantized (blocks dequantized first); a
+        weight quantized already is kept."""
+        if not self.int8_weights:
+            return params
+        return _map_products(params, lambda w, in_dims: w if isinstance(w, Int8) else _to_int8(w, in_dims=in_dims))
+
+    def prepare_abstract(self, params, config) -> dict:
+        """What `prepare` makes of abstract params (ShapeDtypeStructs with shardings): its shapes, dtypes and
+        shardings, for programs compiled without weights."""
+        if not self.int8_weights:
+            return params
+        return _map_products(
+            params, lambda w, in_dims: w if isinstance(w, Int8) else int8_weights.abstract(_abstract_weight(w), in_dims)
+        )
 
     def weight_bytes(self, config, dtype) -> int:
         """The bytes of a model's weights once prepared, restored as `config` describes them (`dtype`: the
@@ -62,6 +79,13 @@ class Ops:
         lead = x.shape[: x.ndim - in_dims]
         n_in = int(np.prod(w.shape[len(w.shape) - in_dims :]))
         out = w.shape[: len(w.shape) - in_dims]
+        if isinstance(w, Int8):  # the int8 weight widened as the product reads it; its outputs scaled after
+            q = w.quants.reshape(-1, n_in).astype(x.dtype)
+            if self.float32_products:
+                y = jax.lax.dot_general(x.reshape(-1, n_in), q, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+            else:
+                y = jax.lax.dot_general(q, x.reshape(-1, n_in), (((1,), (1,)), ((), ()))).T.astype(F32)
+            return (y * w.scales.reshape(-1)).astype(x.dtype).reshape(*lead, *out)
         w = dequantize(w, x.dtype) if isinstance(w, Blocks) else w.astype(x.dtype)
         y = jax.lax.dot_general(w.reshape(-1, n_in), x.reshape(-1, n_in), (((1,), (1,)), ((), ()))).T
         return y.reshape(*lead, *out)
@@ -114,6 +138,38 @@ class Ops:
     def custom_calls(self) -> tuple[str, ...]:
         """The FFI targets this backend's programs call (exported programs must be told they are expected)."""
         return ()
+
+
+F32 = jnp.float32
+
+
+def _map_products(params, fn):
+    """params with fn(weight, in_dims) at every product's weight (by name: `PRODUCT_IN_DIMS`; not the embedding)."""
+    from jaxllama.core.model import PRODUCT_IN_DIMS  # the model imports this module
+
+    if isinstance(params, (list, tuple)):  # a run of layers
+        return [_map_products(p, fn) for p in params]
+    out = {}
+    for key, value in params.items():
+        if isinstance(value, dict):
+            out[key] = _map_products(value, fn)
+        elif key in PRODUCT_IN_DIMS:
+            out[key] = fn(value, PRODUCT_IN_DIMS[key])
+        else:
+            out[key] = value
+    return out
+
+
+@functools.partial(jax.jit, static_argnames="in_dims")
+def _to_int8(w, in_dims: int) -> Int8:
+    return int8_weights.quantize(dequantize(w, jnp.float32) if isinstance(w, Blocks) else w, in_dims)
+
+
+def _abstract_weight(w) -> jax.ShapeDtypeStruct:
+    """An abstract weight as floats (blocks: their weight's shape, sharded as their quants)."""
+    if isinstance(w, Blocks):
+        return jax.ShapeDtypeStruct(w.shape, jnp.float32, sharding=getattr(w.quants, "sharding", None))
+    return w
 
 
 def logprob_of(logits, tokens):

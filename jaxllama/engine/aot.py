@@ -31,7 +31,6 @@ from jaxllama.core.params import (
     as_blocks,
     block_in_dims,
     param_layout,
-    stored_bytes,
 )
 from jaxllama.engine import buckets, hlo, kvcache, memory
 from jaxllama.engine.engine import Engine
@@ -244,13 +243,14 @@ def compile_engine(
     kv_cache_dtype: str | None = None,
     prefills: Sequence[tuple[int, int]] | None = None,
     layers_per_program: int | None = None,
+    quantize: str | None = None,
 ) -> EngineReport:
     """Compile the engine's programs for `config` (as restored) on `devices` and report them (see the module's
     docstring). `prefills`: (rows, prompt tokens) of the prefills to compile; default one row of the whole
     context and min(8, slots) rows of 512 tokens. ModelTooLarge before compiling anything where no mesh fits."""
     started = time.perf_counter()
     cache_dtype = kvcache.dtype(kv_cache_dtype, activation_dtype_of(config))
-    where = memory.plan(config, devices, mesh, max_slots, max_context, cache_dtype)
+    where = memory.plan(config, devices, mesh, max_slots, max_context, cache_dtype, quantize=quantize)
     memory.check_plan(where)
     config = where.config  # its KV heads repeated where the model axis asks (`core/kv_groups.py`)
     params = as_blocks(abstract_stored(config, where.mesh), config)
@@ -263,6 +263,7 @@ def compile_engine(
         max_slots=max_slots,
         max_context=where.context,
         kv_cache_dtype=kv_cache_dtype,
+        quantize=quantize,
         abstract=True,
         **options,
     )
@@ -303,12 +304,13 @@ def compile_engine(
             reports.append(report)
             by_program[(name, id(compiled))] = report
     temporaries = max(p.temp_bytes + p.code_bytes for p in reports)
-    fp = memory.footprint(config, where.mesh, device.slots, context, cache_dtype, temporaries=temporaries)
+    fp = memory.footprint(config, where.mesh, device.slots, context, cache_dtype, temporaries, ops=engine.ops)
     data, model = where.mesh.shape["data"], where.mesh.shape["model"]
     itemsize = jnp.dtype(cache_dtype).itemsize
     shapes = device.layout.shapes(config, device.slots, context)
     kv_bytes = sum(int(np.prod(s)) for s in shapes) * itemsize * config.n_layers
-    ideal_bytes = stored_bytes(config) / model + kv_bytes / (data * model)
+    weights = memory.per_device_bytes(engine.ops.prepare_abstract(as_blocks(abstract_stored(config), config), config))
+    ideal_bytes = weights / model + kv_bytes / (data * model)
     bandwidth = chip.hbm_bandwidth if chip else float("nan")
     decode = _phase("decode step", device.slots, phases["decode step"], by_program, ideal_bytes / bandwidth, chip)
     prefill_reports = []

@@ -94,10 +94,9 @@ class Device:
         self._runs = [(a, min(a + layers_per_program, n)) for a in range(0, n, layers_per_program)]
         self._run_params = []
         for a, b in self._runs:
-            self._run_params.append(_prepare(ops, layer_params(params, config, a, b), config, donate_params))
-        self._outer = _prepare(
-            ops, {k: v for k, v in params.items() if not k.startswith("layers_")}, config, donate_params
-        )
+            self._run_params.append(_prepare(ops, layer_params(params, config, a, b), config, donate_params, abstract))
+        outer = {k: v for k, v in params.items() if not k.startswith("layers_")}
+        self._outer = _prepare(ops, outer, config, donate_params, abstract)
         self.params = dict(self._outer)
         for (a, _), run in zip(self._runs, self._run_params, strict=True):
             self.params |= {f"layers_{a + i}": p for i, p in enumerate(run)}
@@ -379,8 +378,11 @@ def _padded_masks(masks: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def _prepare(ops: Ops, params, config: ModelConfig, donate: bool):
-    """`ops.prepare(params)`; with `donate`, the arrays of params that the prepared tree does not hold are deleted."""
+def _prepare(ops: Ops, params, config: ModelConfig, donate: bool, abstract: bool = False):
+    """`ops.prepare(params)` (abstract params: `ops.prepare_abstract`); with `donate`, the arrays of params that the
+    prepared tree does not hold are deleted."""
+    if abstract:
+        return ops.prepare_abstract(params, config)
     prepared = ops.prepare(params, config)
     if donate:
         kept = {id(x) for x in jax.tree.leaves(prepared)}

@@ -32,8 +32,8 @@ from jax.sharding import Mesh
 from jaxllama.core import kv_groups
 from jaxllama.core.chips import chip_of, memory_of
 from jaxllama.core.config import ModelConfig
-from jaxllama.core.ops import Ops
-from jaxllama.core.params import abstract_stored, stored_arrays_of
+from jaxllama.core.ops import XLA, Ops
+from jaxllama.core.params import abstract_stored, as_blocks, stored_arrays_of
 from jaxllama.core.sharding import make_mesh, model_axes, parse_mesh
 from jaxllama.engine import buckets, kvcache
 from jaxllama.errors import ModelTooLarge
@@ -97,16 +97,24 @@ def per_device_bytes(tree) -> int:
 
 
 def footprint(
-    config: ModelConfig, mesh: Mesh, slots: int, context: int, cache_dtype, temporaries: int = OVERHEAD, stored=None
+    config: ModelConfig,
+    mesh: Mesh,
+    slots: int,
+    context: int,
+    cache_dtype,
+    temporaries: int = OVERHEAD,
+    stored=None,
+    ops: Ops = XLA,
 ) -> Footprint:
     """What one accelerator device of `mesh` holds running `config` (as restored) with `slots` slots of `context`
-    positions; `stored`: the checkpoint's config, when it stores the weights otherwise (one layer restores in it)."""
+    positions, its weights as `ops` prepares them; `stored`: the checkpoint's config, when it stores the weights
+    otherwise (one layer restores in it)."""
     cache = kvcache.abstract(config, mesh, slots, context, cache_dtype)
     layer = per_device_bytes(cache[0])
     data = mesh.shape["data"]
     state = math.ceil(slots / data) * (config.vocab_size * 5 + 1024)  # token counts (int32) and seen (bool)
     restoring = (_layer_bytes(config) + _layer_bytes(stored or config)) // mesh.shape["model"]  # restored sharded
-    weights = per_device_bytes(abstract_stored(config, mesh))
+    weights = per_device_bytes(ops.prepare_abstract(as_blocks(abstract_stored(config, mesh), config), config))
     return Footprint(weights, layer * config.n_layers, layer, state, temporaries, restoring)
 
 
@@ -118,9 +126,12 @@ def plan(
     max_context: int | None,
     cache_dtype,
     stored: ModelConfig | None = None,
+    quantize: str | None = None,
 ) -> Plan:
-    """The mesh, slots and context to run `config` with on `devices` (see the module's docstring); ModelTooLarge,
-    with the bytes needed and the bytes there are, where nothing fits."""
+    """The mesh, slots and context to run `config` with on `devices` (see the module's docstring), its weights
+    quantized at load as `quantize` says ("int8": `core/int8_weights.py`); ModelTooLarge, with the bytes needed and
+    the bytes there are, where nothing fits."""
+    ops = Ops(int8_weights=quantize == "int8")
     devices = list(devices)
     memory = memory_of(devices[0])
     if memory is None:  # a CPU: the host's memory, checked by `check_host`
@@ -137,8 +148,8 @@ def plan(
         slots = buckets.slot_count(max_slots, mesh.shape["data"])
         context = min(max_context or config.max_seq_len, config.max_seq_len)
         if max_context is None:
-            context = _longest_context(run, mesh, slots, context, cache_dtype, memory, stored)
-        needs = footprint(run, mesh, slots, context, cache_dtype, stored=stored)
+            context = _longest_context(run, mesh, slots, context, cache_dtype, memory, stored, ops)
+        needs = footprint(run, mesh, slots, context, cache_dtype, stored=stored, ops=ops)
         plans.append(Plan(mesh, slots, context, needs, memory, run))
     fitting = [p for p in plans if p.fits]
     if not fitting:
@@ -171,11 +182,11 @@ def check_plan(p: Plan) -> None:
         raise ModelTooLarge(too_large(p))
 
 
-def _longest_context(config, mesh, slots, limit, cache_dtype, memory, stored) -> int:
+def _longest_context(config, mesh, slots, limit, cache_dtype, memory, stored, ops) -> int:
     """The longest context (a multiple of MIN_BUCKET, at most `limit`) whose cache fits beside everything else; a
     plan at MIN_CONTEXT where none does (which then does not fit)."""
-    fixed = footprint(config, mesh, slots, 0, cache_dtype, stored=stored)
-    per_position = footprint(config, mesh, slots, buckets.MIN_BUCKET, cache_dtype, stored=stored)
+    fixed = footprint(config, mesh, slots, 0, cache_dtype, stored=stored, ops=ops)
+    per_position = footprint(config, mesh, slots, buckets.MIN_BUCKET, cache_dtype, stored=stored, ops=ops)
     per_position = (per_position.cache + per_position.growth) / buckets.MIN_BUCKET
     room = memory - (fixed.weights + fixed.state + fixed.temporaries)
     context = int(room // per_position) // buckets.MIN_BUCKET * buckets.MIN_BUCKET if room > 0 else 0

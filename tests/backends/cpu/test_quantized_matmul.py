@@ -183,7 +183,7 @@ def test_quantize_asks_for_a_known_format_and_the_cpu_kernels():
     config = tiny_config()
     params = spread_params(config, seed=3)
     mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
-    with pytest.raises(ValueError, match="quantize='q5_1': expected one of q8_0"):
+    with pytest.raises(ValueError, match="quantize='q5_1': expected one of int8, q8_0"):
         Engine(config, params, mesh, quantize="q5_1")
     with pytest.raises(ValueError, match="runs through the CPU kernels"):
         Engine(config, params, mesh, quantize="q8_0", cpu_kernels=False)
