@@ -107,6 +107,19 @@ class Ops:
         if rows is not None:  # this batch's rows, read in place: XLA fuses the gather into the attention loops.
             # (With mode="clip", a single row becomes a slice fused with the write, and XLA copies the cache.)
             keys, values = (jnp.take(c, rows, axis=0, mode="fill", fill_value=0) for c in (cache_k, cache_v))
+        b, t = q.shape[:2]
+        block = QUERY_BLOCK
+        while t % block:
+            block //= 2
+        if t <= QUERY_BLOCK or block < QUERY_BLOCK // 4:
+            return self._attend(q, keys, values, positions)
+        # A long prompt's queries a block at a time: the scores held at once are [b, heads, block, s], not [b, heads,
+        # t, s] (a 32k-token prompt's would not fit a TPU's memory); each query's own sums are the same.
+        split = lambda x: x.reshape(b, t // block, block, *x.shape[2:]).swapaxes(0, 1)
+        out = jax.lax.map(lambda qp: self._attend(qp[0], keys, values, qp[1]), (split(q), split(positions)))
+        return out.swapaxes(0, 1).reshape(q.shape)
+
+    def _attend(self, q, keys, values, positions) -> jax.Array:
         visible = jnp.arange(values.shape[2])[None, None, :] <= positions[:, :, None]  # [b, t, s]
         scores = self._product("btkgd,bksd->bkgts", q, keys.astype(q.dtype))
         scores = jnp.where(visible[:, None, None], scores * (1.0 / np.sqrt(q.shape[-1])), -1e30)
@@ -141,6 +154,7 @@ class Ops:
 
 
 F32 = jnp.float32
+QUERY_BLOCK = 1024  # a long prompt's queries attend this many at a time (`Ops.attention`)
 
 
 def _map_products(params, fn):
