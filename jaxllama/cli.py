@@ -322,6 +322,7 @@ def compile(
     kv_cache_dtype: str | None = None,
     prefill=None,
     json: bool = False,
+    hlo_dir: str | None = None,
 ):
     """Compile the engine for a target, without weights or the target's hardware, and say whether the model fits and
     how fast a decode step would run: memory per device, flops, HBM traffic, the compiler's cycle estimate and the
@@ -342,6 +343,7 @@ def compile(
       kv_cache_dtype: float32, float16 or bfloat16 (default: the weights').
       prefill: the prefills to compile, ROWSxTOKENS separated by commas (default: 1xCONTEXT-1,8x512).
       json: print the report as one JSON object.
+      hlo_dir: also write each compiled program's optimized HLO into this folder.
     """
     import json as json_module
 
@@ -364,6 +366,8 @@ def compile(
     except LOAD_ERRORS as e:
         _fail(str(e))
     print(json_module.dumps(report.to_json(), indent=1) if json else report.table())
+    if hlo_dir is not None:
+        log.info("wrote %d programs' HLO into %s", len(report.write_hlo(hlo_dir)), hlo_dir)
     if not report.fits:
         print("error: the model does not fit the target's devices (see the memory per device above)", file=sys.stderr)
         sys.exit(1)
@@ -506,6 +510,7 @@ METAVARS = {
     "served_model_name": "NAME",
     "topology": "v5e:2x4",
     "prefill": "8x512",
+    "hlo_dir": "DIR",
 }
 
 

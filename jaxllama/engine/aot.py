@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -65,6 +66,7 @@ class ProgramReport:
     cycles: int | None
     collectives: dict
     heaviest: list  # the instructions that move the most HBM bytes (`hlo.Module.heaviest`)
+    hlo_text: str | None = dataclasses.field(default=None, repr=False)  # the optimized HLO (not in `to_json`)
 
 
 @dataclasses.dataclass
@@ -157,10 +159,22 @@ class EngineReport:
             "fits": self.fits,
             "device_memory_bytes": self.device_memory,
             "compile_s": self.compile_s,
-            "programs": [dataclasses.asdict(p) for p in self.programs],
+            "programs": [{k: v for k, v in dataclasses.asdict(p).items() if k != "hlo_text"} for p in self.programs],
             "decode_step": step,
             "prefills": prefills,
         }
+
+    def write_hlo(self, folder) -> list:
+        """Each program's optimized HLO in `folder`, as PHASE-KIND-N.hlo.txt (for reading where its bytes and cycles
+        go); the paths written."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for i, p in enumerate(self.programs):
+            if p.hlo_text is not None:
+                paths.append(folder / f"{p.phase.replace(' ', '_')}-{p.kind}-{i}.hlo.txt")
+                paths[-1].write_text(p.hlo_text)
+        return paths
 
     def table(self) -> str:
         """The report as text for people: the programs, then the decode step against its ideal."""
@@ -374,6 +388,7 @@ def _program_report(compiled: Compiled, phase: str, calls: int) -> ProgramReport
         cycles=traffic.cycles if traffic else None,
         collectives=traffic.collectives if traffic else {},
         heaviest=heaviest,
+        hlo_text=compiled.hlo_text,
     )
 
 

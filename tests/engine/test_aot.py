@@ -108,10 +108,13 @@ def test_the_engine_compiles_for_this_hosts_devices_without_running_anything():
     assert report.decode.hbm_bytes > 0 and any(p.kind == "prefill_layers" for p in report.programs)
 
 
-def test_the_compile_command_reports_a_checkpoint_as_json(tiny_chat_checkpoint, capsys):
+def test_the_compile_command_reports_a_checkpoint_as_json(tiny_chat_checkpoint, capsys, tmp_path):
     main(["compile", "--model", str(tiny_chat_checkpoint), "--mesh", "data=1,model=2", "--max-batch", "4"]
-         + ["--max-context", "128", "--prefill", "2x16", "--json"])  # fmt: skip
+         + ["--max-context", "128", "--prefill", "2x16", "--json", "--hlo-dir", str(tmp_path)])  # fmt: skip
     report = json.loads(capsys.readouterr().out)
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert len(written) == len(report["programs"]) and any(n.startswith("decode_step-decode_layers") for n in written)
+    assert "HloModule" in (tmp_path / written[0]).read_text()
     assert report["mesh"] == {"data": 1, "model": 2} and report["slots"] == 4 and report["fits"]
     assert [p["name"] for p in report["prefills"]] == ["prefill 2x16"]
     assert {"hbm_bytes", "ideal_s", "collectives", "memory_per_chip_bytes"} <= set(report["decode_step"])
