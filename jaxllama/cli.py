@@ -44,9 +44,12 @@ def _common_setup(
 ):
     from jaxllama.core.config import ModelConfig
     from jaxllama.default_model import resolve_model
+    from jaxllama.engine.engine import check_options
     from jaxllama.engine.runtime import initialize_distributed
-    from jaxllama.llm import LLM
+    from jaxllama.llm import LLM, check_dtype
 
+    check_options(quantize, kv_cache_dtype)  # before the model is converted or loaded
+    check_dtype(dtype)
     _log_to_stderr(logging.WARNING if quiet else logging.INFO)
     initialize_distributed(coordinator, num_processes, process_id)
     path = resolve_model(model, progress=not quiet)

@@ -137,12 +137,11 @@ class LLM:
         from jaxllama.default_model import resolve_model
 
         check_options(quantize, kv_cache_dtype)  # before a long load
+        check_dtype(dtype)
         skip_absent_tpu()
         if compilation_cache:
             enable_compilation_cache()
         path = resolve_model(path)
-        if dtype is not None and jnp.dtype(dtype).name not in STORAGE_DTYPES:
-            raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(STORAGE_DTYPES)}")
         if keep_prepared is None:
             keep_prepared = os.environ.get("JAXLLAMA_KEEP_PREPARED", "1") != "0"
         kept = prepared_cache() if keep_prepared else None
@@ -226,8 +225,7 @@ class LLM:
                 raise ValueError(f"{model}: neither a checkpoint nor a known shape ({', '.join(SHAPES)})")
             config = load_config(resolve_model(model))
         if dtype is not None:
-            if jnp.dtype(dtype).name not in STORAGE_DTYPES:
-                raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(STORAGE_DTYPES)}")
+            check_dtype(dtype)
             config = config.with_dtype(jnp.dtype(dtype).name)
         if quantize is not None and quantize != "int8":
             config = aot.quantized(config, quantize)
@@ -455,6 +453,18 @@ def _load_text(
         extra=extra_eos_ids,
     )
     return tokenizer, template, eos
+
+
+def check_dtype(dtype) -> None:
+    """ValueError unless `dtype` is None or a dtype weights may be converted to (`LLM.load(dtype=...)`, --dtype)."""
+    if dtype is None:
+        return
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in STORAGE_DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(STORAGE_DTYPES)}")
 
 
 def _repeat_kv_heads(params, config: ModelConfig, run_config: ModelConfig, mesh):

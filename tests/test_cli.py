@@ -158,3 +158,16 @@ def test_a_gguf_model_a_relative_checkpoint_a_smaller_mesh_and_what_a_cold_start
     assert not any(said in second.stderr for said in ("converting", "loading", "compiling", "requests:"))
     record = json.loads((tmp_path / "job.out.jsonl").read_text())
     assert record["text"] == text[: text.index(text[2:4])] and record["stop_reason"] == text[2:4]
+
+
+def test_an_unknown_dtype_is_one_error_line_before_the_model_loads(tmp_path, capsys):
+    job = tmp_path / "job.jsonl"
+    job.write_text(json.dumps({"id": "x", "prompt": "the cat", "max_tokens": 4}) + "\n")
+    gguf = write_chat_gguf(tmp_path / "tiny.gguf")  # would be converted first, were the flags not checked before
+    with pytest.raises(SystemExit) as e:
+        main(["run", str(job), "--model", str(gguf), "--dtype", "foo"])
+    assert (
+        e.value.code == 2
+        and "error: dtype='foo': expected one of bfloat16, float32, float16" in capsys.readouterr().err
+    )
+    assert not (tmp_path / "job.out.jsonl").exists()

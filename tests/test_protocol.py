@@ -69,6 +69,9 @@ def test_the_sampling_fields_are_those_of_sampling_params():
         ({"messages": HI, "max_tokens": 4, "min_tokens": 5}, "chat", "invalid_parameter", "min_tokens"),
         ({"messages": HI, "logit_bias": {"1": 101}}, "chat", "invalid_parameter", "logit_bias"),
         ({"messages": HI, "logit_bias": {"one": 1}}, "chat", "invalid_parameter", "logit_bias"),
+        ({"messages": HI, "logit_bias": {"\u0663": 1}}, "chat", "invalid_parameter", "logit_bias"),  # Arabic-Indic 3
+        ({"messages": HI, "logit_bias": {"1_0": 1}}, "chat", "invalid_parameter", "logit_bias"),
+        ({"messages": HI, "logit_bias": {" 5 ": 1}}, "chat", "invalid_parameter", "logit_bias"),
         ({"messages": HI, "logit_bias": {str(i): 1 for i in range(301)}}, "chat", "invalid_parameter", "logit_bias"),
         ({"messages": HI, "response_format": {"type": "xml"}}, "chat", "invalid_parameter", "response_format"),
         ({"messages": HI, "response_format": {"type": "json_schema"}}, "chat", "invalid_parameter", "response_format"),

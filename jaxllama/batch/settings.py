@@ -35,15 +35,20 @@ def job_settings(
 
 
 def check_settings(output: Path, settings: dict) -> None:
-    """Raise SettingsChanged if the job's output (or its journal) exists and was written with other settings. An
-    output without recorded settings (or a settings file left without its output) is taken as it is."""
+    """Raise SettingsChanged if the job's output (or its journal) exists and was written with other settings, or
+    its settings file holds something else than settings. An output without recorded settings (or a settings file
+    left without its output) is taken as it is."""
     path = settings_path(output)
     if not (output.exists() or journal_path(output).exists()) or not path.exists():
         return
     try:
         recorded = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
+    except (OSError, ValueError, RecursionError):
+        recorded = None
+    if not isinstance(recorded, dict):
+        raise SettingsChanged(
+            f"{path}: not the settings of a job (a JSON object of them): add --overwrite to start the job over"
+        )
     changed = [key for key in sorted(set(recorded) | set(settings)) if recorded.get(key) != settings.get(key)]
     if changed:
         what = "; ".join(f"{key}: {recorded.get(key)!r} then, {settings.get(key)!r} now" for key in changed)

@@ -127,6 +127,9 @@ def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
         for token, bias in items:
             if isinstance(token, bool) or isinstance(bias, bool) or not isinstance(bias, (int, float)):
                 raise ValueError
+            # a key is a token id written in ASCII digits: int() would also take "٣", "1_0" and " 5 "
+            if isinstance(token, str) and not (token.isascii() and token.isdigit()):
+                raise ValueError
             pairs[int(token)] = float(bias)
     except (TypeError, ValueError):
         raise InvalidParameter(

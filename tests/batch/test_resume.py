@@ -87,3 +87,15 @@ def test_a_resume_with_other_settings_is_refused(tmp_path):
         SettingsChanged, match=r"system_prompt: None then, 'be brief' now; temperature: 0 then, 0.5 now\).*--overwrite"
     ):
         check_settings(out, other)
+
+
+@pytest.mark.parametrize("recorded", ["[1, 2]", '"abc"', "[" * 5000 + "]" * 5000, "{not json"])
+def test_a_settings_file_that_holds_no_settings_is_named_and_refused(tmp_path, recorded):
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps(answer(1)) + "\n")
+    settings = job_settings(str(tmp_path), SamplingParams(temperature=0), [], None, quantize=None)
+    record_settings(out, settings)
+    path = next(tmp_path.glob("*.settings.json"))
+    path.write_text(recorded)
+    with pytest.raises(SettingsChanged, match=rf"{path}: not the settings of a job.*--overwrite"):
+        check_settings(out, settings)
