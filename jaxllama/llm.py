@@ -35,7 +35,14 @@ from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir, prepared_cache, skip_absent_tpu
 from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
 from jaxllama.generation import Generation, Result
-from jaxllama.protocol.requests import OUTPUT_FORMAT_FIELDS, SAMPLING_FIELDS, output_format, samples, sampling_params
+from jaxllama.protocol.requests import (
+    OUTPUT_FORMAT_FIELDS,
+    SAMPLING_FIELDS,
+    lone_surrogate,
+    output_format,
+    samples,
+    sampling_params,
+)
 from jaxllama.text.chat_template import ChatTemplate, encode_chat
 from jaxllama.text.conversation import validate_messages
 from jaxllama.text.end_of_generation import end_of_generation_ids, load_generation_config
@@ -334,6 +341,9 @@ class LLM:
         """
         single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
         prompts = [prompt] if single else list(prompt)
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                _check_text("prompt" if single else f"prompt[{i}]", p)
         ids = [p if not isinstance(p, str) else self.encode(p, add_bos=add_bos) for p in prompts]
         return self._run(ids, single, stream, stop, include_stop, logprobs, sampling)
 
@@ -401,9 +411,17 @@ class LLM:
         unknown = set(sampling) - set(SAMPLING_FIELDS) - set(OUTPUT_FORMAT_FIELDS) - {"n"}
         if unknown:
             raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
-        params = sampling_params(sampling, SamplingParams())
-        output, n = output_format(sampling), samples(sampling)
-        grammar = self.grammar(output, params) if output else None
+        surrogate = lone_surrogate({"stop": stop, **sampling})
+        if surrogate is not None:
+            path, char = surrogate
+            raise InvalidRequest(f"{path}: holds {char!r}, a lone surrogate, which is not Unicode text", path)
+        try:
+            params = sampling_params(sampling, SamplingParams())
+            output, n = output_format(sampling), samples(sampling)
+            grammar = self.grammar(output, params) if output else None
+        except RecursionError:  # a schema (or another value) nested past what can be read
+            field = next((k for k in OUTPUT_FORMAT_FIELDS if k in sampling), "sampling")
+            raise InvalidParameter(f"{field}: nested too deep", field) from None
         stop = [stop] if isinstance(stop, str) else list(stop)
         if stream:
             if not single or n > 1:
@@ -453,6 +471,16 @@ def _load_text(
         extra=extra_eos_ids,
     )
     return tokenizer, template, eos
+
+
+def _check_text(where: str, text: str) -> None:
+    """InvalidRequest naming `where` unless `text` is Unicode text (a lone surrogate is not; no tokenizer takes it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(
+            f"{where}: holds {text[e.start]!r}, a lone surrogate, which is not Unicode text", where
+        ) from None
 
 
 def check_dtype(dtype) -> None:
