@@ -22,6 +22,9 @@ from jaxllama.errors import ModelTooLarge
 log = logging.getLogger("jaxllama.cli")  # not __name__: run as a program, that is __main__
 
 REPEATABLE = ("stop", "eos_id")  # flags given once per value
+# Exit statuses besides 0 (done): 1, a job ended with error records for some lines; 2, a command line, flag value or
+# input refused before work began; CRASHED, a failure nothing expected (a bug, with its traceback); INTERRUPTED, Ctrl-C.
+CRASHED, INTERRUPTED = 3, 130
 # What loading a model may fail with that is the user's to fix (a path, a checkpoint, the memory): one error line.
 LOAD_ERRORS = (ValueError, OSError, ModelTooLarge)
 
@@ -150,7 +153,8 @@ def run(
     finished line at once in OUTPUT.journal. Running the same command again (after a kill or Ctrl-C, or to
     retry failed lines) resumes: lines already answered are kept, lines whose record is an error run again; it is
     refused if the settings differ from those OUTPUT was written with; --overwrite starts over. Per-line
-    parameters override the options below. Exit status 1 when any line of the job has an error record, 130 when
+    parameters override the options below. Exit status 1 when any line of the job has an error record, 2 when the
+    command line or settings are refused before it runs, 3 when it fails unexpectedly (a bug), 130 when
     interrupted.
 
     Args:
@@ -243,7 +247,7 @@ def run(
         _fail(str(e))
     except JobInterrupted as e:
         print(f"interrupted: {e}", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(INTERRUPTED)
     if main:
         if not quiet:
             print_summary(summary)
@@ -544,6 +548,14 @@ def program() -> None:
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
         status = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except KeyboardInterrupt:
+        status = INTERRUPTED
+    except Exception:  # a failure nothing expected: its own status, so that a script tells it from bad lines
+        import traceback
+
+        traceback.print_exc()
+        print("error: jaxllama failed unexpectedly (the traceback above); please report it", file=sys.stderr)
+        status = CRASHED
     _exit_now(status)
 
 

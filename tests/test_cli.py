@@ -127,6 +127,14 @@ cli.program()
     assert marker.read_text() == "done"
 
 
+def test_a_failure_nothing_expected_has_its_own_exit_status():
+    """3, not 1 (which says that lines of the job have error records): a script tells a crash from bad lines."""
+    script = "from jaxllama import cli\ncli.main = lambda: 1 / 0\ncli.program()\n"
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3
+    assert "ZeroDivisionError" in proc.stderr and "error: jaxllama failed unexpectedly" in proc.stderr
+
+
 def test_the_readme_shows_each_command_as_its_help_does():
     readme = " ".join(re.sub(r"#.*", "", README.read_text()).split())
     for name, fn in COMMANDS.items():
