@@ -334,6 +334,8 @@ def compile(
     """Compile the engine for a target, without weights or the target's hardware, and say whether the model fits and
     how fast a decode step would run: memory per device, flops, HBM traffic, the compiler's cycle estimate and the
     collectives of every program, against the ideal step (weights and live KV cache per device / HBM bandwidth).
+    Exit status 2 when the model is refused before compiling (or the compiler cannot fit a program), 1 when the
+    compiled programs' temporaries leave it past a device's memory (the figures printed).
 
     Args:
       model: a known shape (smollm2-135m, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, llama-3.1-70b, llama-3.1-405b)

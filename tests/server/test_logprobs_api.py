@@ -125,5 +125,10 @@ def test_tokenizer_endpoints(live):
     assert back == {"prompt": PROMPT}
     bad = httpx.post(f"{live.url}/detokenize", json={"tokens": [llm.config.vocab_size]}, timeout=30)
     assert bad.status_code == 400
+    body = rb'{"prompt": "scraped \udc00"}'  # JSON's escape of a lone surrogate, as a scraped text may hold
+    surrogate = httpx.post(
+        f"{live.url}/tokenize", content=body, headers={"content-type": "application/json"}, timeout=30
+    )
+    assert surrogate.status_code == 400 and "lone surrogate" in surrogate.json()["error"]["message"]
     info = httpx.get(f"{live.url}/tokenizer_info", timeout=30).json()
     assert info["eos_token"] == llm.tokenizer.eos_token and info["chat_template"] == llm.template.source
