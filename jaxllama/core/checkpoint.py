@@ -282,3 +282,9 @@ class CheckpointWriter:
     def __exit__(self, *exc) -> None:
         if not self.committed:
             self.abort()
+
+
+def file_stamp(stat: os.stat_result) -> str:
+    """What identifies a file's content without reading it: size, modification time, inode and status-change time.
+    Writing a file updates its status-change time, and no call can set it back."""
+    return f"{stat.st_size} {stat.st_mtime_ns} {stat.st_ino} {stat.st_ctime_ns}"

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from jaxllama.core.checkpoint import PARAMS_DIR, load_checkpoint, remove_stale_tmp, temporary_path
+from jaxllama.core.checkpoint import PARAMS_DIR, file_stamp, load_checkpoint, remove_stale_tmp, temporary_path
 from jaxllama.core.config import CONFIG_FILE, ModelConfig
 from jaxllama.engine.programs import source_digest
 
@@ -64,14 +64,15 @@ def entry_name(digest: str, ops, dtype) -> str:
 
 
 def checkpoint_digest(checkpoint: Path) -> str:
-    """A digest of a converted checkpoint as stored: any rewrite of its config or of its arrays changes it."""
+    """A digest of a converted checkpoint as stored: any rewrite of its config or of its arrays changes it (its
+    arrays' files by size, times and inode: `default_model.file_stamp`)."""
     checkpoint = checkpoint.resolve()
     digest = hashlib.sha256(str(checkpoint).encode())
     digest.update((checkpoint / CONFIG_FILE).read_bytes())
     for file in sorted((checkpoint / PARAMS_DIR).rglob("*")):
         if file.is_file():
             stat = file.stat()
-            digest.update(f"{file.relative_to(checkpoint)} {stat.st_size} {stat.st_mtime_ns}\n".encode())
+            digest.update(f"{file.relative_to(checkpoint)} {file_stamp(stat)}\n".encode())
     return digest.hexdigest()[:24]
 
 
