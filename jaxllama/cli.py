@@ -194,9 +194,10 @@ def run(
     """
     from pathlib import Path
 
+    from jaxllama.batch.lock import OutputLock
     from jaxllama.batch.runner import JobInterrupted, default_output, print_summary, run_job
     from jaxllama.batch.settings import SettingsChanged, check_settings, job_settings
-    from jaxllama.engine.runtime import is_main_process
+    from jaxllama.engine.runtime import initialize_distributed, is_main_process
     from jaxllama.protocol.requests import sampling_params
 
     job_path = Path(job)
@@ -208,8 +209,12 @@ def run(
         options = dict(chat_template=chat_template, eos_id=_as_list(eos_id, int), quantize=quantize, dtype=dtype)
         options.update(kv_cache_dtype=kv_cache_dtype, max_context=max_context)
         settings = job_settings(model, defaults, _stops(stop), system_prompt, **options)
+        out_path = Path(output) if output else default_output(job_path)
+        initialize_distributed(coordinator, num_processes, process_id)
+        # Before the model loads, held until the process ends: one writer per output (process 0 writes it).
+        lock = OutputLock(out_path).acquire() if is_main_process() else None
         if not overwrite:  # before the model loads: a resume with other settings is refused at once
-            check_settings(Path(output) if output else default_output(job_path), settings)
+            check_settings(out_path, settings)
         llm = _common_setup(
             model,
             mesh,
@@ -254,6 +259,8 @@ def run(
             print(f"wrote {output or default_output(job_path)}", file=sys.stderr)
         if stats_file:
             Path(stats_file).write_text(json.dumps(summary, indent=2) + "\n")
+    if lock is not None:
+        lock.release()
     if stats.has_errors:
         sys.exit(1)
 

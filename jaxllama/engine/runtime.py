@@ -87,6 +87,8 @@ def initialize_distributed(
         process_id = int(os.environ["JAX_PROCESS_ID"])
     if coordinator is None and not num_processes:
         return
+    if jax.distributed.is_initialized():  # joined already (the command takes its output's lock first)
+        return
     if coordinator is None or num_processes is None or process_id is None:
         raise ValueError("a multi-host run needs --coordinator HOST:PORT, --num-processes N and --process-id I")
     if jax.config.jax_platforms in (None, "", "cpu") or jax.config.jax_platforms.startswith("cpu"):

@@ -275,3 +275,19 @@ def test_info(tiny_chat):
 def test_help_is_readable():
     proc = jaxllama("run", "--help")
     assert "Run a JSONL job" in proc.stdout + proc.stderr
+
+
+def test_a_second_run_on_the_same_output_is_refused_at_once(tiny_chat, tmp_path):
+    """One writer per output: while a run holds it (here this process, as a run would), another is refused before its
+    model loads, naming the holder; once the holder is gone the output is free again."""
+    from jaxllama.batch.lock import OutputLock
+
+    job = write_job(tmp_path / "job.jsonl", GOOD[:2])
+    out = tmp_path / "job.out.jsonl"
+    with OutputLock(out):
+        proc = jaxllama("run", job, "--model", tiny_chat)
+        assert proc.returncode == 2 and f"another run (pid {os.getpid()}) is writing {out}" in proc.stderr
+        assert "loading" not in proc.stderr and not out.exists()
+    proc = jaxllama("run", job, "--model", tiny_chat)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["id"] for r in read(out)] == ["chat", "plain"]
