@@ -266,6 +266,7 @@ def compile_engine(
     cache_dtype = kvcache.dtype(kv_cache_dtype, activation_dtype_of(config))
     where = memory.plan(config, devices, mesh, max_slots, max_context, cache_dtype, quantize=quantize)
     memory.check_plan(where)
+    own = config  # the model's own KV heads: what no implementation can avoid reading
     config = where.config  # its KV heads repeated where the model axis asks (`core/kv_groups.py`)
     params = as_blocks(abstract_stored(config, where.mesh), config)
     options = {} if layers_per_program is None else {"layers_per_program": layers_per_program}
@@ -321,9 +322,9 @@ def compile_engine(
     fp = memory.footprint(config, where.mesh, device.slots, context, cache_dtype, temporaries, ops=engine.ops)
     data, model = where.mesh.shape["data"], where.mesh.shape["model"]
     itemsize = jnp.dtype(cache_dtype).itemsize
-    shapes = device.layout.shapes(config, device.slots, context)
-    kv_bytes = sum(int(np.prod(s)) for s in shapes) * itemsize * config.n_layers
-    weights = memory.per_device_bytes(engine.ops.prepare_abstract(as_blocks(abstract_stored(config), config), config))
+    shapes = device.layout.shapes(own, device.slots, context)
+    kv_bytes = sum(int(np.prod(s)) for s in shapes) * itemsize * own.n_layers
+    weights = memory.per_device_bytes(engine.ops.prepare_abstract(as_blocks(abstract_stored(own), own), own))
     ideal_bytes = weights / model + kv_bytes / (data * model)
     bandwidth = chip.hbm_bandwidth if chip else float("nan")
     decode = _phase("decode step", device.slots, phases["decode step"], by_program, ideal_bytes / bandwidth, chip)
