@@ -341,9 +341,7 @@ class LLM:
         """
         single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
         prompts = [prompt] if single else list(prompt)
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                _check_text("prompt" if single else f"prompt[{i}]", p)
+        _refuse_lone_surrogates({"prompt": prompt})
         ids = [p if not isinstance(p, str) else self.encode(p, add_bos=add_bos) for p in prompts]
         return self._run(ids, single, stream, stop, include_stop, logprobs, sampling)
 
@@ -411,10 +409,7 @@ class LLM:
         unknown = set(sampling) - set(SAMPLING_FIELDS) - set(OUTPUT_FORMAT_FIELDS) - {"n"}
         if unknown:
             raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
-        surrogate = lone_surrogate({"stop": stop, **sampling})
-        if surrogate is not None:
-            path, char = surrogate
-            raise InvalidRequest(f"{path}: holds {char!r}, a lone surrogate, which is not Unicode text", path)
+        _refuse_lone_surrogates({"stop": stop, **sampling})
         try:
             params = sampling_params(sampling, SamplingParams())
             output, n = output_format(sampling), samples(sampling)
@@ -473,14 +468,13 @@ def _load_text(
     return tokenizer, template, eos
 
 
-def _check_text(where: str, text: str) -> None:
-    """InvalidRequest naming `where` unless `text` is Unicode text (a lone surrogate is not; no tokenizer takes it)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidRequest(
-            f"{where}: holds {text[e.start]!r}, a lone surrogate, which is not Unicode text", where
-        ) from None
+def _refuse_lone_surrogates(arguments: dict) -> None:
+    """InvalidRequest naming the argument (`prompt[1]`, `stop[0]`) whose text holds a lone surrogate, which is not
+    Unicode text and which no tokenizer takes (`protocol.requests.lone_surrogate`, as the server and job lines)."""
+    surrogate = lone_surrogate(arguments)
+    if surrogate is not None:
+        path, char = surrogate
+        raise InvalidRequest(f"{path}: holds {char!r}, a lone surrogate, which is not Unicode text", path)
 
 
 def check_dtype(dtype) -> None:

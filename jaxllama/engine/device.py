@@ -75,7 +75,7 @@ class Device:
         self.slots, self.max_context, self.decode_steps = slots, max_context, decode_steps
         self.eos_ids = tuple(eos_ids)
         self.vocab_size, self.row_multiple = config.vocab_size, mesh.shape["data"]
-        self.cache_dtype, self.min_cache, self.abstract = cache_dtype, min_cache, abstract
+        self.cache_dtype, self.abstract = cache_dtype, abstract
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._activations = NamedSharding(mesh, PartitionSpec("data"))  # [batch, ...], batch over `data`
         self.layout = ops.cache_layout
@@ -103,13 +103,13 @@ class Device:
         self._state = None
         # In one process the cache is allocated on a thread: the first touch of its pages (on a CPU, ~1 s a GB) then
         # overlaps the host's work up to the first prefill, which loads its programs meanwhile.
-        length = buckets.bucket(min_cache, max_context)
+        shape = (config, mesh, slots, buckets.bucket(min_cache, max_context), cache_dtype, self.layout)
+        self._allocate = functools.partial(kvcache.allocate, *shape)
         self._cache, self._allocating = None, None
         if abstract:
-            self._cache = kvcache.abstract(config, mesh, slots, length, cache_dtype, self.layout)
+            self._cache = kvcache.abstract(*shape)
         elif jax.process_count() == 1:
-            allocate = functools.partial(kvcache.allocate, config, mesh, slots, length, cache_dtype, self.layout)
-            self._allocating = _ALLOCATOR.submit(allocate)
+            self._allocating = _ALLOCATOR.submit(self._allocate)
 
     # ---- the interface ----------------------------------------------------------------------------
 
@@ -117,12 +117,7 @@ class Device:
     def cache(self) -> kvcache.KVCache:
         """The slots' KV cache: per layer, (keys, values)."""
         if self._cache is None:
-            length = buckets.bucket(self.min_cache, self.max_context)
-            if self._allocating is not None:
-                self._cache = self._allocating.result()
-            else:
-                args = (self.config, self.mesh, self.slots, length, self.cache_dtype, self.layout)
-                self._cache = kvcache.allocate(*args)
+            self._cache = self._allocating.result() if self._allocating is not None else self._allocate()
         return self._cache
 
     @cache.setter
