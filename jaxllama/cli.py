@@ -298,7 +298,7 @@ def serve(
       eos_id: an extra end-of-generation token id (repeatable).
       chat_template: a built-in template (llama2, llama3, chatml, raw) or a .jinja file.
       max_batch: decode slots: requests generated at once (default: the engine's, 64).
-      max_queue: requests waiting for a slot at most; one more is answered 429.
+      max_queue: samples (prompts x n) waiting for a slot at most; a request beyond is answered 429.
       max_context: context limit (prompt + completion), at most the model's.
       decode_steps: decode steps per host round trip.
       quantize: q8_0, w8a8 or q4_0 to quantize float weights at load (one CPU device): int8 weights (llama.cpp's

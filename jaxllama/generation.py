@@ -26,7 +26,7 @@ class Result:
     id: object
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (end-of-generation token or stop string) | "length"
+    finish_reason: str  # "stop" (end-of-generation token or stop string) | "length" | "cancelled" | "error"
     stop_reason: str | int | None  # the stop string or token id that ended it
     prompt_tokens: int
     timings: Timings
@@ -35,6 +35,9 @@ class Result:
     top_logprobs: list[TopLogprobs] | None = None  # per token, with logprobs and params.top_logprobs > 0
     # With params.prompt_logprobs: per prompt token after the first, (its log-probability, its alternatives).
     prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
+    # With finish_reason "error": why the output could not be completed (its grammar reached the matcher's limits);
+    # its text is not an answer.
+    error: Exception | None = None
 
     @property
     def usage(self) -> dict:
@@ -228,7 +231,8 @@ class Generation:
                     )
                 continue
             reason, stop_reason = u.finish_reason, u.stop_reason
-            if p.text.stopped:  # a stop string in this last update's text ends it, whatever else did
+            # A stop string in this last update's text ends it, whatever else did (but an error stays an error)
+            if p.text.stopped and u.error is None:
                 reason, stop_reason = "stop", p.text.stops.stop_reason
             delta += p.text.finish()
             del self.pending[u.id]
@@ -244,6 +248,7 @@ class Generation:
                 cached_tokens=u.cached_tokens,
                 top_logprobs=p.text.top if p.want_logprobs and p.params.top_logprobs else None,
                 prompt_logprobs=p.prompt_logprobs,
+                error=u.error,
             )
             last = self._choice_done(p.id, u.id)
             events.append(Event(p.id, delta, result, new_ids, new_logprobs, p.index, last, new_top, prompt_logprobs))

@@ -9,6 +9,8 @@ for piece in llm.generate("Tell me a story", max_tokens=20, stream=True): print(
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -34,7 +36,7 @@ from jaxllama.engine.programs import preload_imports
 from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir, prepared_cache, skip_absent_tpu
 from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
-from jaxllama.generation import Generation, Result
+from jaxllama.generation import Event, Generation, Result
 from jaxllama.protocol.requests import (
     OUTPUT_FORMAT_FIELDS,
     SAMPLING_FIELDS,
@@ -108,6 +110,9 @@ class LLM:
         self.generation = Generation(self.engine, tokenizer)
         self.grammars = GrammarCompiler(tokenizer, config.vocab_size, self.eos_ids)
         self._next_id = 0
+        # The events of each call still running (a stream not yet read to its end, say), by request id: whichever
+        # call steps the engine hands every event to the call that owns it.
+        self._inboxes: dict[object, collections.deque] = {}
 
     @classmethod
     def load(
@@ -396,7 +401,8 @@ class LLM:
         for prompt in prompts:
             request_ids.append(self._new_id())
             self.generation.submit(request_ids[-1], prompt, params)
-        results = {e.id: e.result for e in self.generation.run() if e.result is not None}
+        with contextlib.closing(self._events(request_ids)) as events:
+            results = {e.id: e.result for e in events if e.result is not None}
         out = []
         for rid, prompt, n in zip(request_ids, prompts, scored, strict=True):
             positions = results[rid].prompt_logprobs[-n:]
@@ -428,23 +434,51 @@ class LLM:
             self.generation.submit(rid, prompt_ids, params, stop, include_stop, logprobs, grammar=grammar, n=n)
             request_ids.append(rid)
         results = {r: [None] * n for r in request_ids}
-        for event in self.generation.run():
-            if event.result is not None:
-                results[event.id][event.index] = event.result
+        with contextlib.closing(self._events(request_ids)) as events:  # closed early: the rest are cancelled
+            for event in events:
+                if event.result is not None:
+                    if event.result.error is not None:
+                        raise event.result.error
+                    results[event.id][event.index] = event.result
         out = [results[r] if n > 1 else results[r][0] for r in request_ids]
         return out[0] if single else out
 
     def _stream(self, prompt_ids, params, stop, include_stop, grammar=None) -> Iterator[str]:
         rid = self._new_id()
         self.generation.submit(rid, prompt_ids, params, stop, include_stop, grammar=grammar)
+        with contextlib.closing(self._events([rid])) as events:
+            for event in events:
+                if event.result is not None and event.result.error is not None:
+                    raise event.result.error
+                if event.delta:
+                    yield event.delta
+
+    def _events(self, request_ids: Sequence) -> Iterator[Event]:
+        """The events of the submitted `request_ids`, in order, until each has had its last, stepping the engine as
+        needed; the events of other calls' requests that those steps give are kept for their calls. Closed before
+        the end (a stream its reader dropped, an error): the requests not finished are cancelled."""
+        inbox, open_ids = collections.deque(), set(request_ids)
+        for rid in open_ids:
+            self._inboxes[rid] = inbox
         try:
-            while self.generation.has_work():
-                for event in self.generation.step():
-                    if event.id == rid and event.delta:
-                        yield event.delta
+            while open_ids:
+                while not inbox:
+                    if not self.generation.has_work():  # never, unless a request was dropped without its events
+                        raise RuntimeError(f"the engine has no work left for requests {sorted(open_ids)}")
+                    for event in self.generation.step():
+                        owner = self._inboxes.get(event.id)
+                        if owner is not None:
+                            owner.append(event)
+                event = inbox.popleft()
+                if event.last:
+                    open_ids.discard(event.id)
+                    del self._inboxes[event.id]
+                yield event
         finally:
-            if self.generation.running(rid):
-                self.generation.cancel(rid)
+            for rid in open_ids:
+                self._inboxes.pop(rid, None)
+                if self.generation.running(rid):
+                    self.generation.cancel(rid)
 
     def _new_id(self) -> str:
         self._next_id += 1

@@ -129,3 +129,50 @@ def test_a_sentencepiece_tokenizer_is_refused_clearly():
     compiler = GrammarCompiler(object.__new__(SentencePieceTokenizer), 32000, [2])
     with pytest.raises(InvalidParameter, match="tokenizer.json"):
         compiler.compile(OutputFormat("regex", "a+", "guided_regex"))
+
+
+DEEP_LARK = "start: a30\n" + "".join(f"a{i + 1}: a{i} a{i}\n" for i in range(30)).replace("a0 a0", '"x" "x"')
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("guided_regex", "a{1000000}"), ("guided_grammar", DEEP_LARK)],
+    ids=["regex-too-many-states", "lark-2^30-x"],
+)
+def test_a_grammar_past_the_matchers_limits_is_an_error_never_stop(tiny, tmp_path, field, value):
+    """llguidance accepts these grammars and fails after the first token: the answer is an error naming the field,
+    from `LLM.generate` and as the line's error record in a job, whose other lines are answered."""
+    with pytest.raises(InvalidParameter, match="cannot be followed after 1 token ") as e:
+        tiny.generate("x", max_tokens=8, temperature=1.0, **{field: value})
+    assert e.value.param == field
+    assert tiny.generate("x", max_tokens=3, temperature=0).finish_reason == "length"  # the engine goes on
+    job = tmp_path / "job.jsonl"
+    lines = [{"id": "bad", "prompt": "x", "max_tokens": 8, field: value}, {"id": "ok", "prompt": "x", "max_tokens": 3}]
+    job.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    stats, _ = run_job(tiny, job, defaults=SamplingParams(), stop=[], quiet=True)
+    bad, ok = (json.loads(line) for line in (tmp_path / "job.out.jsonl").read_text().splitlines())
+    assert stats.failed == 1 and bad["error"]["code"] == "invalid_parameter" and field in bad["error"]["message"]
+    assert ok["usage"]["completion_tokens"] == 3
+
+
+def test_a_grammar_that_fails_at_once_is_refused_when_it_arrives(tiny):
+    with pytest.raises(InvalidParameter, match="cannot be followed at the first token") as e:
+        tiny.generate("x", guided_json={"$ref": "#"})
+    assert e.value.param == "guided_json"
+
+
+def test_an_open_stream_keeps_its_events_while_other_calls_run(tiny):
+    """A stream not yet read to its end, then a whole `generate` and a `score`: each call gets its own events (the
+    stream's text whole, no KeyError), as each would alone."""
+    alone = tiny.generate("the cat", max_tokens=10, temperature=0).text
+    other = tiny.generate("a dog", max_tokens=6, temperature=0).text
+    stream = tiny.generate("the cat", max_tokens=10, temperature=0, stream=True)
+    pieces = [next(stream)]
+    assert tiny.generate("a dog", max_tokens=6, temperature=0).text == other
+    assert len(tiny.score(["a dog ran"])[0].logprobs) >= 1
+    pieces += list(stream)
+    assert "".join(pieces) == alone
+    dropped = tiny.generate("the cat", max_tokens=10, temperature=0, stream=True)
+    next(dropped)
+    dropped.close()  # its request is cancelled, and no other call waits for it
+    assert tiny.generate("a dog", max_tokens=6, temperature=0).text == other

@@ -192,6 +192,10 @@ class _Batch:
                 if not event.last:
                     continue
                 del self.running[event.id]
+                error = next((r.error for r in results if r.error is not None), None)
+                if error is not None:  # its grammar could not be followed to the end: no answer
+                    self.fail(line, error)
+                    continue
                 try:
                     answer = results if request.n > 1 else results[0]
                     record = records.success(line, request, answer, model_name, self.llm.tokenizer)

@@ -15,8 +15,9 @@ import numpy as np
 from jaxllama.errors import InvalidParameter
 
 # Why a request ended: an end-of-generation token or a stop string ("stop"), its token budget or the context
-# ("length"), or a `finish` call from outside ("cancelled", or "stop" for a stop string found in the text).
-FinishReason = Literal["stop", "length", "cancelled"]
+# ("length"), a `finish` call from outside ("cancelled", or "stop" for a stop string found in the text), or its
+# output constraint failing ("error", with `Update.error`).
+FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 MAX_LOGIT_BIAS = 300  # logit_bias entries a request may give (OpenAI's limit)
 # Alternatives a request may ask for at each position (OpenAI's top_logprobs limit): the device always computes
@@ -162,6 +163,11 @@ class TokenConstraint(Protocol):
     def done(self) -> bool:
         """Nothing may follow the tokens accepted so far."""
 
+    @property
+    def error(self) -> Exception | None:
+        """Why the output cannot go on matching (the matcher reached its limits), or None; the request then ends
+        with finish_reason "error" and this error, whatever was sampled."""
+
 
 @dataclasses.dataclass
 class Request:
@@ -203,3 +209,4 @@ class Update:
     # On a request's first update, with params.prompt_logprobs set: per prompt token after the first, its
     # log-probability given the tokens before it and its params.prompt_logprobs alternatives.
     prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
+    error: Exception | None = None  # with finish_reason "error": why (`TokenConstraint.error`)

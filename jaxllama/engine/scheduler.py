@@ -286,13 +286,19 @@ class Scheduler:
             code = int(out.finish[steps[-1], column]) if steps else None
             reason = FINISH[code] if steps else None
         constraint = s.request.constraint
-        if constraint is not None and reason is None:
-            for t in tokens:
-                constraint.accept(t)
-            if constraint.done:  # the output is complete and nothing may follow (e.g. no end-of-generation id)
+        if constraint is not None:
+            if reason is None:
+                for t in tokens:
+                    constraint.accept(t)
+            # A matcher past its limits allows only an end-of-generation id: what it ended is an error, not "stop"
+            error = constraint.error
+            if error is not None or (reason is None and constraint.done):
                 del self.active[slot]
                 self._release(slot, s)
-                self._stopping.add(slot)
+                if reason is None:  # ended here, not by the device: the device is told to stop the row
+                    self._stopping.add(slot)
+                if error is not None:
+                    return [_final_update(s, tokens, logprobs, "error", None, error=error, **extra)]
                 return [_final_update(s, tokens, logprobs, "stop", None, **extra)]
         if reason is None:
             return [Update(s.request.id, tokens, logprobs, **extra, **(_prompt_usage(s) if first else {}))]

@@ -60,7 +60,7 @@ def create_app(
 
     model_name: the name /v1/models lists and answers echo (default: the checkpoint folder's name); the
         "model" field of requests is accepted whatever it says.
-    max_queue: requests waiting for a slot at most; beyond, 429.
+    max_queue: samples (prompts x n) waiting for a slot at most; a request beyond is answered 429.
     max_tokens: tokens per answer when a request does not say (default: up to the context limit).
     """
     metrics = Metrics()
@@ -170,6 +170,9 @@ class OpenAIHandlers:
             # Off the event loop: templating and tokenizing a body of megabytes takes seconds, which would stall
             # every other connection (and /health) meanwhile.
             prepared = await asyncio.to_thread(self.pipeline.prepare, body, kind)
+            # every prompt's n samples at once, or never: 400 for what even an idle server cannot hold, not 429
+            several = len(prepared.prompts) > 1
+            self.worker.check_samples(len(prepared.prompts) * prepared.n, "prompt" if several else "n")
             for prompt in prepared.prompts:  # several prompts: a request each, answered as one
                 args = (prompt, prepared.params, prepared.stop, prepared.options.logprobs, prepared.grammar)
                 streams.append(RequestStream(self.worker, *args, prepared.n))
@@ -178,6 +181,7 @@ class OpenAIHandlers:
             else:
                 collected = asyncio.gather(*(_collect(stream, prepared.n) for stream in streams))
                 results = await _unless_disconnected(request, collected, streams)
+                _raise_error(results)
         except REFUSALS as e:
             for stream in streams:  # the others of several prompts
                 stream.cancel()
@@ -226,6 +230,14 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _raise_error(results: list[list[Result]]) -> None:
+    """Raise the error of a result that ended in one (its grammar could not be followed): its text is no answer."""
+    for samples in results:
+        for result in samples:
+            if result.error is not None:
+                raise result.error
+
+
 async def _collect(stream: RequestStream, n: int) -> list[Result]:
     """The request's finished results, one per choice."""
     results = [None] * n
@@ -264,6 +276,9 @@ async def _sse(stream: RequestStream, first: Event, prepared: PreparedRequest, m
                 offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             if event.result is not None:
                 r = results[i] = event.result
+                if r.error is not None:  # the answer cannot go on: the error is its last event
+                    yield data(errors.failure(r.error, kind).body())
+                    return
                 end = None if kind == "chat" else ""
                 yield chunk(end, finish_reason=r.finish_reason, stop_reason=r.stop_reason, index=i)
             if event.last:

@@ -6,8 +6,10 @@ request's events go back to its handler through a callback; `RequestStream` turn
 `asyncio.Queue` on the handler's event loop (fed with `loop.call_soon_threadsafe`). A request that nobody
 waits for any more is cancelled, which frees its slot at the next step.
 
-Admission control: at most `slots + max_queue` requests are in flight (running or waiting for a slot); one
-more is refused at once with `QueueFull`, never left to hang.
+Admission control counts samples (a request asking for n counts n, as each takes a slot): at most
+`slots + max_queue` are in flight (running or waiting for a slot); a request that would pass that is refused at once
+with `QueueFull`, never left to hang, and one that could never fit, even on an idle server, with `InvalidParameter`
+(retrying cannot help it).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from collections.abc import Callable
 
 from jaxllama.engine.request import SamplingParams
-from jaxllama.errors import EngineUnavailable, QueueFull
+from jaxllama.errors import EngineUnavailable, InvalidParameter, QueueFull
 from jaxllama.generation import Event, Generation
 
 __all__ = ["EngineUnavailable", "EngineWorker", "QueueFull", "RequestStream"]
@@ -59,6 +61,7 @@ class _Tracked:
 
     deliver: Callable[[object], None] | None
     submitted: float
+    samples: int = 1  # its n: what it counts in flight
     last_token: float | None = None
 
 
@@ -111,18 +114,20 @@ class EngineWorker:
         """Queue a request (`n` samples of it; `grammar`: what their text must match) and return its id. `deliver`
         is called on the engine thread with each `Event` of the request, in order (each choice's last carries its
         `Result`; the request's last has `last` set), or once with the exception that ended it (a ValueError if it
-        can never run, `EngineUnavailable`). Raises `QueueFull` or `EngineUnavailable` at once."""
+        can never run, `EngineUnavailable`). Raises `QueueFull`, `EngineUnavailable` or (more samples than the server
+        ever holds: `check_samples`) `InvalidParameter` at once."""
+        self.check_samples(n)
         with self._lock:
             if self.error is not None:
                 raise EngineUnavailable(f"the engine failed: {self.error!r}")
             if self._stopped or self._thread is None:
                 raise EngineUnavailable("the engine is not running")
-            if self._in_flight >= self.slots + self.max_queue:
+            if self._in_flight + n > self.capacity:
                 raise QueueFull(
-                    f"the server is busy: {self._in_flight} requests are running or waiting "
+                    f"the server is busy: {self._in_flight} samples are running or waiting "
                     f"({self.slots} slots, at most {self.max_queue} waiting); retry later"
                 )
-            self._in_flight += 1
+            self._in_flight += n
             rid = next(self._ids)
         submit = _Submit(rid, list(prompt), params, list(stop), logprobs, deliver, time.perf_counter(), grammar, n)
         self._inbox.put(submit)
@@ -141,13 +146,27 @@ class EngineWorker:
         self._inbox.put(_Pause(False))
 
     @property
+    def capacity(self) -> int:
+        """Samples in flight at most: every slot running, `max_queue` waiting."""
+        return self.slots + self.max_queue
+
+    def check_samples(self, samples: int, param: str = "n") -> None:
+        """Raise InvalidParameter (naming `param`) if `samples` at once could never be in flight here."""
+        if samples > self.capacity:
+            raise InvalidParameter(
+                f"{param}: {samples} samples at once are more than this server ever holds ({self.slots} slots, at "
+                f"most {self.max_queue} waiting); ask for fewer per request",
+                param,
+            )
+
+    @property
     def in_flight(self) -> int:
-        """Requests accepted and not finished: running in a slot or waiting for one."""
+        """Samples accepted and not finished (a request's n each): running in a slot or waiting for one."""
         return self._in_flight
 
     @property
     def running(self) -> int:
-        """Requests holding a slot of the engine."""
+        """Samples holding a slot of the engine."""
         return self.generation.engine.running
 
     @property
@@ -203,10 +222,10 @@ class EngineWorker:
         try:
             self.generation.submit(s.id, s.prompt, s.params, s.stop, logprobs=s.logprobs, grammar=s.grammar, n=s.n)
         except ValueError as e:
-            self._release()
+            self._release(s.n)
             _safe(s.deliver, e)
             return
-        self._tracked[s.id] = _Tracked(s.deliver, s.submitted)
+        self._tracked[s.id] = _Tracked(s.deliver, s.submitted, s.n)
         if self.metrics:
             self.metrics.prompt_tokens.inc(len(s.prompt))
 
@@ -218,7 +237,7 @@ class EngineWorker:
         self.generation.cancel(rid)
         if not self.generation.running(rid):  # it was waiting for a slot: dropped at once
             del self._tracked[rid]
-            self._release()
+            self._release(tracked.samples)
             if self.metrics:
                 self.metrics.finished.labels("cancelled").inc()
 
@@ -239,15 +258,15 @@ class EngineWorker:
             self.metrics.completion_tokens.inc(len(event.result.token_ids))
         if event.last:
             del self._tracked[event.id]
-            self._release()
+            self._release(tracked.samples)
             if self.metrics:
                 self.metrics.finished.labels(event.result.finish_reason).inc()
         if tracked.deliver is not None:
             _safe(tracked.deliver, event)
 
-    def _release(self) -> None:
+    def _release(self, samples: int) -> None:
         with self._lock:
-            self._in_flight -= 1
+            self._in_flight -= samples
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:

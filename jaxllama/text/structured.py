@@ -5,6 +5,12 @@ keep the text matching, and is told each token drawn (`jaxllama.engine.request.T
 The matcher works on the model's own token ids: llguidance reads the HF `tokenizers` JSON (GGUF vocabularies are
 rebuilt as one) or tiktoken's ranks (Meta's Llama 3 tokenizer.model); a sentencepiece tokenizer.model is refused.
 An end-of-generation id is allowed only where the text may end, so the grammar decides when a row stops.
+
+A grammar can pass llguidance's checks and still reach its limits while it is followed (a regular expression that
+builds too many lexer states, a recursive schema, a grammar whose parse grows past its item limit): the matcher then
+allows nothing but an end-of-generation id, and its text does not match. What shows at the first token is refused
+when the grammar is compiled; what shows later is the matcher's `error`, which ends the request as an error (never
+as "stop"), naming the request field.
 """
 
 from __future__ import annotations
@@ -89,7 +95,12 @@ class GrammarCompiler:
         error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._lltokenizer)
         if error:
             raise InvalidParameter(f"{output.param}: {messages[0]}", output.param)
-        return Grammar(self._lltokenizer, grammar, tuple(sorted(set(stop_ids) - set(self.eos_ids))))
+        compiled = Grammar(self._lltokenizer, grammar, tuple(sorted(set(stop_ids) - set(self.eos_ids))), output.param)
+        first = compiled.matcher()  # what fails at once (a schema that refers to itself: {"$ref": "#"}) is refused now
+        first.fill_mask(np.zeros((self.vocab_size + 31) // 32, np.int32))
+        if first.error is not None:
+            raise first.error
+        return compiled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +110,7 @@ class Grammar:
     lltokenizer: object
     grammar: str
     extra_stops: tuple[int, ...] = ()
+    param: str = "response_format"  # the request field that asked for it, named by the matcher's errors
 
     def matcher(self) -> Matcher:
         return Matcher(self)
@@ -111,6 +123,7 @@ class Matcher:
         import llguidance
 
         self._matcher = llguidance.LLMatcher(grammar.lltokenizer, grammar.grammar, log_level=0)
+        self._param, self._accepted = grammar.param, 0
         self._eos = np.array(grammar.lltokenizer.eos_tokens, np.int64)
         self._extra = np.array(grammar.extra_stops, np.int64)
 
@@ -122,10 +135,21 @@ class Matcher:
 
     def accept(self, token: int) -> None:
         self._matcher.consume_token(token)
+        self._accepted += 1
 
     @property
     def done(self) -> bool:
-        return self._matcher.is_stopped() or self._matcher.is_error()
+        return self._matcher.is_stopped() and not self._matcher.is_error()
+
+    @property
+    def error(self) -> InvalidParameter | None:
+        """Why the grammar cannot be followed further (llguidance's limits reached), or None."""
+        if not self._matcher.is_error():
+            return None
+        reason = (self._matcher.get_error().splitlines() or ["unknown error"])[0]
+        n = self._accepted
+        where = f"after {n} token{'s' * (n != 1)}" if n else "at the first token"
+        return InvalidParameter(f"{self._param}: the grammar cannot be followed {where} ({reason})", self._param)
 
 
 def _allowed(mask: np.ndarray, tokens: np.ndarray) -> np.ndarray:

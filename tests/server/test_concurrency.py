@@ -93,6 +93,33 @@ def test_a_full_queue_is_answered_429_at_once(live):
     wait_until(lambda: worker.in_flight == 0, what="the queue to drain")
 
 
+def test_samples_count_against_the_queue_and_what_never_fits_is_400(live):
+    """A request's n samples each take a slot: they count n in flight and in /health's `waiting`; more samples than
+    the server ever holds (slots + queue) are refused 400, naming the field, even when idle: retrying cannot help."""
+    client, worker, capacity = live.client(), live.worker, SLOTS + MAX_QUEUE
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, n=capacity + 1)
+    assert e.value.body["param"] == "n" and "ever holds" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt=["x"] * (capacity // 2 + 1), max_tokens=2, n=2)
+    assert e.value.body["param"] == "prompt"
+    worker.pause()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            held = pool.submit(client.completions.create, model=MODEL_NAME, prompt="x", max_tokens=2, n=4)
+            wait_until(lambda: worker.in_flight == 4, what="4 samples in flight")
+            assert httpx.get(f"{live.url}/health", timeout=10).json()["waiting"] == 4
+            with pytest.raises(openai.RateLimitError):
+                client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, n=capacity - 3)
+            fits = pool.submit(client.completions.create, model=MODEL_NAME, prompt="x", max_tokens=2, n=capacity - 4)
+            wait_until(lambda: worker.in_flight == capacity, what="the queue full of samples")
+            worker.resume()
+            assert len(held.result(timeout=120).choices) == 4 and len(fits.result(timeout=120).choices) == capacity - 4
+    finally:
+        worker.resume()
+    wait_until(lambda: worker.in_flight == 0, what="the queue to drain")
+
+
 def _finished(live, reason: str) -> float:
     return live.app.state.metrics.finished.labels(reason)._value.get()
 

@@ -149,6 +149,25 @@ def test_guided_regex_and_logit_bias(live):
     assert r.choices[0].text == "qqqq"
 
 
+def test_a_grammar_past_the_matchers_limits_is_an_error_whole_or_streamed(live):
+    """A grammar llguidance fails on at the first token is refused (400); one it fails on later answers 400 whole,
+    and ends a stream with an error event (the `openai` client raises it), never with finish_reason "stop"."""
+    client = live.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, extra_body={"guided_json": {"$ref": "#"}})
+    assert e.value.body["param"] == "guided_json"
+    limit = {"guided_regex": "a{1000000}"}
+    with pytest.raises(openai.BadRequestError, match="cannot be followed") as e:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, extra_body=limit)
+    assert e.value.body["param"] == "guided_regex"
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=8, stream=True, extra_body=limit
+    )
+    with pytest.raises(openai.APIError, match="cannot be followed"):
+        for chunk in stream:
+            assert all(c.finish_reason is None for c in chunk.choices)
+
+
 def test_max_tokens_default_and_max_completion_tokens(live):
     client = live.client()
     r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, temperature=0)
