@@ -24,12 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllama.core import kv_groups
+from jaxllama.core.chips import skip_absent_tpu
 from jaxllama.core.params import init_params
 from jaxllama.core.shapes import known_shape
 from jaxllama.engine import aot, buckets, memory
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.request import Request, SamplingParams
-from jaxllama.engine.runtime import skip_absent_tpu
 
 
 def main(

@@ -36,6 +36,7 @@ from converters.layout import ConversionError, canonical_names, check_source, pa
 from converters.meta import MetaSource, is_meta
 from converters.quantize import NATIVE, gguf_form, quantize
 from jaxllama.core.checkpoint import CheckpointWriter
+from jaxllama.core.chips import skip_absent_tpu
 from jaxllama.core.config import BLOCK_FORMATS, ModelConfig
 from jaxllama.core.config import STORAGE_DTYPES as DTYPES
 from jaxllama.core.params import block_in_dims, check_forms
@@ -156,6 +157,7 @@ def main(
       format: meta, hf or gguf (default: detected).
       overwrite: replace OUT if it exists (OUT stays whole, the old checkpoint or the new, until the new is in place).
     """
+    skip_absent_tpu()  # libtpu installed, no TPU here: keep jax from starting (and printing) its TPU backend
     try:
         convert(src, out, dtype=dtype, format=format, overwrite=overwrite, quantize=quantize)
     except (CheckpointError, OSError) as e:  # bad input, or OUT not writable: one line, no traceback

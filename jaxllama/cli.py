@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None):
     command = check_argv(
         "jaxllama", COMMANDS, argv, version=__version__, metavars=METAVARS, repeatable=REPEATABLE
     )  # exits with the usage on a command line the command cannot take, before anything loads
-    from jaxllama.engine.runtime import skip_absent_tpu
+    from jaxllama.core.chips import skip_absent_tpu
 
     skip_absent_tpu()
     fire.Fire(COMMANDS, command=command, name="jaxllama")

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxllama import backends
 from jaxllama.core import kv_groups
 from jaxllama.core.checkpoint import is_checkpoint, load_config
+from jaxllama.core.chips import skip_absent_tpu
 from jaxllama.core.config import STORAGE_DTYPES, ModelConfig
 from jaxllama.core.model import forward, sequence_logits
 from jaxllama.core.params import abstract_stored, activation_dtype_of, as_blocks, product_form
@@ -34,7 +35,7 @@ from jaxllama.engine import kvcache, memory, prepared
 from jaxllama.engine.engine import DEFAULT_SLOTS, Engine, check_options
 from jaxllama.engine.programs import preload_imports
 from jaxllama.engine.request import SamplingParams
-from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir, prepared_cache, skip_absent_tpu
+from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir, prepared_cache
 from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
 from jaxllama.generation import Event, Generation, Result
 from jaxllama.protocol.requests import (

@@ -9,6 +9,11 @@ topology described on a host without one) or a chip whose runtime does not say i
 from __future__ import annotations
 
 import dataclasses
+import glob
+import importlib.util
+import os
+
+import jax
 
 GiB = 1 << 30
 
@@ -56,3 +61,17 @@ def memory_of(device) -> int | None:
         return int(limit)
     chip = chip_of(device)
     return chip.hbm_bytes if chip else None
+
+
+def skip_absent_tpu() -> None:
+    """Keep jax from starting its TPU backend on a machine with no TPU. With libtpu installed (to compile for TPU
+    slices: `jaxllama compile`), jax's first device query otherwise starts it anyway, and libtpu prints a page of
+    warnings before it fails. Nothing changes where JAX_PLATFORMS (or jax's config) names the platforms, where the
+    machine has TPU chips (/dev/accel*, /dev/vfio), or where a GPU plugin is installed."""
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+        return
+    if importlib.util.find_spec("libtpu") is None or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return
+    if any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin")):
+        return
+    jax.config.update("jax_platforms", "cpu")
