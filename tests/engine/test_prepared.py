@@ -1,10 +1,11 @@
 """Prepared weights kept on disk (`engine/prepared.py`): a second load maps the arrays the first one prepared, from
-the file itself, and runs the same; a rewritten checkpoint, another quantization or a damaged entry is prepared
-again; only the entries used last are kept."""
+the file itself, and runs the same; a rewritten checkpoint, another quantization, a damaged or changed entry is
+prepared again, and an index runs no code; only the entries used last are kept."""
 
 import json
 import logging
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -63,6 +64,14 @@ def test_a_second_load_maps_the_prepared_weights(cache, checkpoint):
     assert a == b
 
 
+def test_bfloat16_weights_are_kept_and_mapped(cache, checkpoint):
+    """bfloat16 arrays (ml_dtypes: no buffer format of their own) are written as their bytes."""
+    want = LLM.load(checkpoint, mesh=ONE_DEVICE, dtype="bfloat16", keep_prepared=False).logits(TOKENS)
+    for _ in range(2):  # prepared and kept, then mapped
+        np.testing.assert_array_equal(LLM.load(checkpoint, mesh=ONE_DEVICE, dtype="bfloat16").logits(TOKENS), want)
+    assert len(entries(cache)) == 1
+
+
 def test_each_quantization_is_its_own_entry_and_the_last_used_are_kept(cache, checkpoint, monkeypatch):
     monkeypatch.setattr(prepared, "KEEP", 2)
     for quantize in (None, "q8_0", "q4_0"):
@@ -96,7 +105,7 @@ def test_a_damaged_entry_is_prepared_again(cache, checkpoint, caplog):
     os.truncate(weights, weights.stat().st_size // 2)
     with caplog.at_level(logging.WARNING, logger="jaxllama.engine.prepared"):
         got = LLM.load(checkpoint, mesh=ONE_DEVICE).logits(TOKENS)
-    assert "unreadable" in caplog.text
+    assert "unusable" in caplog.text
     np.testing.assert_array_equal(got, want)
     assert entries(cache) == [entry] and weights.stat().st_size > 0  # written again, whole
 
@@ -105,3 +114,79 @@ def test_nothing_is_kept_on_a_mesh_or_when_asked_not_to(cache, checkpoint):
     LLM.load(checkpoint, mesh="data=2,model=1")  # XLA's operations read the restored arrays: nothing to keep
     LLM.load(checkpoint, mesh=ONE_DEVICE, keep_prepared=False)
     assert entries(cache) == []
+
+
+@pytest.mark.parametrize("change", ["zeroed", "randomized"])
+def test_weights_changed_in_place_are_not_used(cache, checkpoint, caplog, change):
+    """The file's size and times as they were: only its status-change time tells, and the digests then."""
+    want = LLM.load(checkpoint, mesh=ONE_DEVICE, keep_prepared=False).logits(TOKENS)
+    LLM.load(checkpoint, mesh=ONE_DEVICE)
+    (entry,) = entries(cache)
+    weights = entry / prepared.WEIGHTS
+    before = weights.stat()
+    with open(weights, "r+b") as f:
+        if change == "zeroed":  # 4 MB, or half a small file, from the first array on
+            f.write(bytes(min(4 << 20, before.st_size // 2)))
+        else:  # the second half
+            f.seek(before.st_size // 2)
+            f.write(np.random.default_rng(0).bytes(before.st_size - before.st_size // 2))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert weights.stat().st_size == before.st_size and weights.stat().st_mtime_ns == before.st_mtime_ns
+    with caplog.at_level(logging.WARNING, logger="jaxllama.engine.prepared"):
+        got = LLM.load(checkpoint, mesh=ONE_DEVICE).logits(TOKENS)
+    np.testing.assert_array_equal(got, want)
+    assert "changed since it was written" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxllama.engine.prepared"):  # written again, whole: used
+        np.testing.assert_array_equal(LLM.load(checkpoint, mesh=ONE_DEVICE).logits(TOKENS), want)
+    assert caplog.text == "" and entries(cache) == [entry]
+
+
+def test_a_copied_entry_is_checked_once_and_used(cache, checkpoint, caplog):
+    """A cache restored from a copy: other inodes and times, the same bytes. Its digests are checked, its new stamp
+    recorded, and its file mapped, not written again."""
+    want = LLM.load(checkpoint, mesh=ONE_DEVICE).logits(TOKENS)
+    (entry,) = entries(cache)
+    copy = shutil.copytree(entry, cache / "copy")
+    shutil.rmtree(entry)
+    os.rename(copy, entry)
+    inode = (entry / prepared.WEIGHTS).stat().st_ino
+    for _ in range(2):
+        with caplog.at_level(logging.INFO, logger="jaxllama.engine.prepared"):
+            np.testing.assert_array_equal(LLM.load(checkpoint, mesh=ONE_DEVICE).logits(TOKENS), want)
+    assert caplog.text.count("checked in") == 1 and "unusable" not in caplog.text
+    assert (entry / prepared.WEIGHTS).stat().st_ino == inode
+
+
+class MakesDirectory:
+    """A pickle that, loaded, creates a directory: what a crafted index or program could do."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.path),)
+
+
+@pytest.mark.parametrize("index", ["index.pkl of an earlier version", "index", "an offset changed"])
+def test_an_index_runs_no_code_and_a_changed_one_is_not_used(cache, checkpoint, tmp_path, caplog, index):
+    want = LLM.load(checkpoint, mesh=ONE_DEVICE).logits(TOKENS)
+    (entry,) = entries(cache)
+    marker = tmp_path / "ran"
+    payload = pickle.dumps(MakesDirectory(marker))
+    if index == "index.pkl of an earlier version":  # its weights.bin beside it
+        (entry / prepared.INDEX).unlink()
+        (entry / "index.pkl").write_bytes(payload)
+    elif index == "index":
+        (entry / prepared.INDEX).write_bytes(payload)
+    else:
+        data = json.loads((entry / prepared.INDEX).read_text())
+        data["arrays"][0]["offset"] += 4096  # the next page: another array's bytes, whose digests still match
+        (entry / prepared.INDEX).write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="jaxllama.engine.prepared"):
+        got = LLM.load(checkpoint, mesh=ONE_DEVICE).logits(TOKENS)
+    assert not marker.exists()
+    assert "unusable" in caplog.text
+    np.testing.assert_array_equal(got, want)
+    assert entries(cache) == [entry] and not (entry / "index.pkl").exists()  # written again, in this format
+    assert json.loads((entry / prepared.INDEX).read_text())["format"] == prepared.FORMAT

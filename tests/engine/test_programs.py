@@ -1,8 +1,12 @@
 """Programs kept exported on disk (`engine/programs.py`): found again without tracing, the same results as the
-function jitted directly, donation kept, a damaged file exported again."""
+function jitted directly, outputs in their pytree (the engine's dataclasses too), donation kept, a damaged or
+changed file exported again, and a file runs no code."""
 
+import dataclasses
 import functools
 import logging
+import os
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxllama.engine import programs
+from jaxllama.engine.sampling import SamplingRows
 
 TRACES = []
 
@@ -83,3 +88,65 @@ def test_a_function_the_key_cannot_see_into_is_refused(tmp_path):
         programs.compile_program(tmp_path, lambda *a: step(*a, scale=scale), args(), None, None, {})
     with pytest.raises(ValueError, match="module-level"):
         programs.compile_program(tmp_path, functools.partial(step, {"w": 1}), args()[1:], None, None, {})
+
+
+def as_rows(x, *, scale):
+    """A `SamplingRows` out: a dataclass that kept programs return (`programs.KEPT_NODES`)."""
+    TRACES.append(scale)
+    names = [f.name for f in dataclasses.fields(SamplingRows)]
+    return SamplingRows(**{name: x * i * scale for i, name in enumerate(names)})
+
+
+def test_a_kept_program_returns_the_engines_dataclasses(tmp_path):
+    fn, x = functools.partial(as_rows, scale=2.0), jnp.arange(3.0)
+    want = jax.jit(fn)(x)
+    TRACES.clear()
+    for _ in range(2):  # exported, then read back
+        got = programs.compile_program(tmp_path, fn, (x,), None, None, {})(x)
+        assert type(got) is SamplingRows and jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert len(TRACES) == 1
+
+
+class MakesDirectory:
+    """A pickle that, loaded, creates a directory: what a crafted file could do."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.path),)
+
+
+def test_a_program_file_runs_no_code(tmp_path, caplog):
+    """A file as earlier versions wrote them (the size of an exported program, the program, a pickle of its outputs'
+    pytree), its pickle crafted: it is exported again, and the pickle never loaded."""
+    fn = functools.partial(step, scale=2.0)
+    want = jax.jit(fn)(*args())[0]["y"]
+    leaves, tree = jax.tree.flatten(args())
+    flat = lambda *xs: jax.tree.leaves(fn(*tree.unflatten(xs)))
+    blob = bytes(jax.export.export(jax.jit(flat))(*leaves).serialize())
+    marker = tmp_path / "ran"
+    path = tmp_path / f"{programs.program_key(fn, args(), None, None)}.jaxprog"
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + pickle.dumps(MakesDirectory(marker)))
+    with caplog.at_level(logging.WARNING, logger="jaxllama.engine.programs"):
+        got = programs.compile_program(tmp_path, fn, args(), None, None, {})(*args())
+    assert not marker.exists()
+    assert "unreadable" in caplog.text
+    np.testing.assert_allclose(got[0]["y"], want, rtol=1e-6)
+
+
+def test_a_changed_file_is_exported_again(tmp_path, caplog):
+    fn = functools.partial(step, scale=2.0)
+    want = jax.jit(fn)(*args())[0]["y"]
+    programs.compile_program(tmp_path, fn, args(), None, None, {})
+    (path,) = tmp_path.glob("*.jaxprog")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1  # one bit, inside the program
+    path.write_bytes(bytes(data))
+    TRACES.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxllama.engine.programs"):
+        got = programs.compile_program(tmp_path, fn, args(), None, None, {})(*args())
+    assert "unreadable" in caplog.text and len(TRACES) == 1
+    np.testing.assert_allclose(got[0]["y"], want, rtol=1e-6)
