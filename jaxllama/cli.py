@@ -183,7 +183,8 @@ def run(
         on an accelerator (or a CPU mesh), int8 weights with a scale per output channel (blocks requantized).
       dtype: float32, bfloat16 or float16 to convert every weight to it while loading (blocks dequantized);
         default: the weights as the checkpoint stores them.
-      kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits; auto (default): the weights' dtype.
+      kv_cache_dtype: float16 or bfloat16 keeps the KV cache in 16 bits, int8 (XLA's path: accelerators, a CPU
+        mesh) in 8 with a scale per vector; auto (default): the weights' dtype.
       overwrite: start over instead of resuming.
       no_retry_errors: on resume, keep the error records of failed lines instead of running them again.
       stats_file: also write the summary statistics as JSON here.
@@ -307,7 +308,8 @@ def serve(
         on an accelerator (or a CPU mesh), int8 weights with a scale per output channel (blocks requantized).
       dtype: float32, bfloat16 or float16 to convert every weight to it while loading (blocks dequantized);
         default: the weights as the checkpoint stores them.
-      kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits; auto (default): the weights' dtype.
+      kv_cache_dtype: float16 or bfloat16 keeps the KV cache in 16 bits, int8 (XLA's path: accelerators, a CPU
+        mesh) in 8 with a scale per vector; auto (default): the weights' dtype.
       log_level: uvicorn's log level (debug, info, warning, error).
     """
     import uvicorn
@@ -356,7 +358,8 @@ def compile(
       dtype: float32, bfloat16 or float16: every weight in it (default: the checkpoint's; bfloat16 for a shape).
       quantize: int8: every product's weight quantized at load, with a scale per output channel (XLA's products on
         an accelerator); q8_0 or q4_0: stored as llama.cpp's blocks of 32, as a converted GGUF of that type holds them.
-      kv_cache_dtype: float32, float16 or bfloat16 (default: the weights').
+      kv_cache_dtype: float16 or bfloat16 keeps the KV cache in 16 bits, int8 (XLA's path: accelerators, a CPU
+        mesh) in 8 with a scale per vector; auto (default): the weights' dtype.
       prefill: the prefills to compile, ROWSxTOKENS separated by commas (default: 1xCONTEXT-1,8x512).
       json: print the report as one JSON object.
       hlo_dir: also write each compiled program's optimized HLO into this folder.
@@ -465,7 +468,8 @@ def chat(
         on an accelerator (or a CPU mesh), int8 weights with a scale per output channel (blocks requantized).
       dtype: float32, bfloat16 or float16 to convert every weight to it while loading (blocks dequantized);
         default: the weights as the checkpoint stores them.
-      kv_cache_dtype: float16 or bfloat16 to keep the KV cache in 16 bits; auto (default): the weights' dtype.
+      kv_cache_dtype: float16 or bfloat16 keeps the KV cache in 16 bits, int8 (XLA's path: accelerators, a CPU
+        mesh) in 8 with a scale per vector; auto (default): the weights' dtype.
     """
     try:
         options = {"quantize": quantize, "kv_cache_dtype": kv_cache_dtype, "dtype": dtype}

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllama.core import int8_kv
 from jaxllama.core.blocks import Blocks, dequantize
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import XLA, Ops
@@ -107,8 +108,8 @@ def attention(p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None
     if ops.cache_layout.transposed_keys:
         cache_k = cache_k.at[at, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
     else:
-        cache_k = cache_k.at[at, :, positions].set(k.astype(cache_k.dtype), mode="drop")
-    cache_v = cache_v.at[at, :, positions].set(v.astype(cache_v.dtype), mode="drop")
+        cache_k = int8_kv.write(cache_k, (at, slice(None), positions), k)
+    cache_v = int8_kv.write(cache_v, (at, slice(None), positions), v)
     q = q.reshape(*q.shape[:2], c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim)  # [b, t, kv, g, hd]
     out = ops.attention(q, cache_k, cache_v, positions, rows)
     out = out.reshape(*out.shape[:2], c.n_heads, c.head_dim)  # [b, t, heads, head_dim]
@@ -220,7 +221,7 @@ def declarations(c: ModelConfig) -> dict[str, Declared]:
 def empty_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.float32, ops: Ops = XLA) -> KVCache:
     """A zero KV cache of `length` positions, laid out for `ops`."""
     k, v = ops.cache_layout.shapes(config, batch, length)
-    return [(jnp.zeros(k, dtype), jnp.zeros(v, dtype)) for _ in range(config.n_layers)]
+    return [(int8_kv.zeros(k, dtype), int8_kv.zeros(v, dtype)) for _ in range(config.n_layers)]
 
 
 def forward(params, config: ModelConfig, tokens, positions, cache: KVCache, logits_at=None, rows=None, ops: Ops = XLA):

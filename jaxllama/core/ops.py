@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllama.core import int8_weights
+from jaxllama.core import int8_kv, int8_weights
 from jaxllama.core.blocks import Blocks, dequantize
 from jaxllama.core.cache_layout import POSITIONS_MAJOR, CacheLayout
 from jaxllama.core.int8_weights import Int8
@@ -106,7 +106,8 @@ class Ops:
         keys, values = cache_k, cache_v
         if rows is not None:  # this batch's rows, read in place: XLA fuses the gather into the attention loops.
             # (With mode="clip", a single row becomes a slice fused with the write, and XLA copies the cache.)
-            keys, values = (jnp.take(c, rows, axis=0, mode="fill", fill_value=0) for c in (cache_k, cache_v))
+            take = lambda c: jax.tree.map(lambda x: jnp.take(x, rows, axis=0, mode="fill", fill_value=0), c)
+            keys, values = take(cache_k), take(cache_v)
         b, t = q.shape[:2]
         block = QUERY_BLOCK
         while t % block:
@@ -120,11 +121,19 @@ class Ops:
         return out.swapaxes(0, 1).reshape(q.shape)
 
     def _attend(self, q, keys, values, positions) -> jax.Array:
+        """One block of queries; keys and values arrays or `int8_kv.Int8KV` (each position's score times its key's
+        scale, each probability times its value's: the int8 arrays widen inside the products)."""
+        keys, key_scales = int8_kv.split(keys)
+        values, value_scales = int8_kv.split(values)
         visible = jnp.arange(values.shape[2])[None, None, :] <= positions[:, :, None]  # [b, t, s]
         scores = self._product("btkgd,bksd->bkgts", q, keys.astype(q.dtype))
+        if key_scales is not None:
+            scores = scores * key_scales[:, :, None, None, :]
         scores = jnp.where(visible[:, None, None], scores * (1.0 / np.sqrt(q.shape[-1])), -1e30)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        return self._product("bkgts,bksd->btkgd", probs, values.astype(q.dtype)).astype(q.dtype)
+        probs = jax.nn.softmax(scores, axis=-1)
+        if value_scales is not None:
+            probs = probs * value_scales[:, :, None, None, :]
+        return self._product("bkgts,bksd->btkgd", probs.astype(q.dtype), values.astype(q.dtype)).astype(q.dtype)
 
     def _product(self, spec: str, a, b) -> jax.Array:
         """einsum(spec, a, b) in float32 (see `float32_products`)."""

@@ -21,9 +21,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import jax.numpy as jnp
-import numpy as np
-
 from jaxllama.core.chips import Chip, chip_of
 from jaxllama.core.config import BLOCK_FORMATS, ModelConfig
 from jaxllama.core.params import (
@@ -321,9 +318,7 @@ def compile_engine(
     temporaries = max(p.temp_bytes + p.code_bytes for p in reports)
     fp = memory.footprint(config, where.mesh, device.slots, context, cache_dtype, temporaries, ops=engine.ops)
     data, model = where.mesh.shape["data"], where.mesh.shape["model"]
-    itemsize = jnp.dtype(cache_dtype).itemsize
-    shapes = device.layout.shapes(own, device.slots, context)
-    kv_bytes = sum(int(np.prod(s)) for s in shapes) * itemsize * own.n_layers
+    kv_bytes = kvcache.bytes_per_layer(own, device.slots, context, cache_dtype, device.layout) * own.n_layers
     weights = memory.per_device_bytes(engine.ops.prepare_abstract(as_blocks(abstract_stored(own), own), own))
     ideal_bytes = weights / model + kv_bytes / (data * model)
     bandwidth = chip.hbm_bandwidth if chip else float("nan")

@@ -79,7 +79,9 @@ class Device:
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._activations = NamedSharding(mesh, PartitionSpec("data"))  # [batch, ...], batch over `data`
         self.layout = ops.cache_layout
-        self._cache_sharding = kvcache.cache_sharding(config, mesh, self.layout)  # one layer's (keys, values)
+        kvcache.check_layout(cache_dtype, self.layout)
+        # one layer's (keys, values)
+        self._cache_sharding = kvcache.cache_sharding(config, mesh, self.layout, cache_dtype)
         self._rows = named_sharding(mesh, config, ("batch",))
         self._seeds = random.Random(agreed_seed())  # for requests without a seed: the same on every process
         self.platform = mesh.devices.flat[0].platform

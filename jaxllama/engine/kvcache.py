@@ -7,6 +7,9 @@ one layer at a time, each layer's old arrays freed as its new ones are made, so 
 at most the cache and one layer's new copy (`engine/memory.py` counts that moment).
 Slots are split over the mesh's `data` axis and KV heads over `model` (replicated when `model` does not
 divide them), by the same logical-axis rules as the weights.
+
+An int8 cache (`core/int8_kv.py`) holds each of a layer's keys and values as an `Int8KV` (the int8 array and its
+scales, whose positions' axis is the same): the functions here map over both.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jaxllama.core import int8_kv
 from jaxllama.core.cache_layout import POSITIONS_MAJOR, CacheLayout
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import KVCache
@@ -22,8 +26,8 @@ from jaxllama.core.sharding import named_sharding
 
 # What the cache may be stored in (`Engine(kv_cache_dtype=...)`, `--kv-cache-dtype`); by default the weights' dtype.
 # In 16 bits a decode step reads half the bytes for attention, which long sequences at large batches are bound by
-# (llama.cpp's default is float16).
-DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+# (llama.cpp's default is float16); in int8 (XLA's path: `core/int8_kv.py`) a quarter.
+DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
 
 
 def dtype(name: str | None, default):
@@ -35,9 +39,22 @@ def dtype(name: str | None, default):
     return DTYPES[name]
 
 
-def cache_sharding(config: ModelConfig, mesh: Mesh, layout: CacheLayout = POSITIONS_MAJOR):
-    """The shardings of one layer's (keys, values)."""
-    return tuple(named_sharding(mesh, config, axes) for axes in layout.axes)
+def check_layout(dtype, layout: CacheLayout) -> None:
+    """Raise ValueError where the backend's layout cannot hold a cache of `dtype` (int8: XLA's path only)."""
+    if int8_kv.is_int8(dtype) and layout.transposed_keys:
+        raise ValueError(
+            "kv_cache_dtype=int8: XLA's path only (a TPU or GPU, or a mesh of several CPU devices); the CPU kernels "
+            "keep the cache in float32, float16 or bfloat16"
+        )
+
+
+def cache_sharding(config: ModelConfig, mesh: Mesh, layout: CacheLayout = POSITIONS_MAJOR, dtype=None):
+    """The shardings of one layer's (keys, values): `Int8KV`s of the arrays' and their scales' for an int8 cache."""
+    shardings = tuple(named_sharding(mesh, config, axes) for axes in layout.axes)
+    if int8_kv.is_int8(dtype):
+        scales = named_sharding(mesh, config, layout.axes[1][:-1])
+        return tuple(int8_kv.Int8KV(d, scales) for d in shardings)
+    return shardings
 
 
 def length(cache: KVCache) -> int:
@@ -47,14 +64,26 @@ def length(cache: KVCache) -> int:
 
 def abstract(config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype, layout=POSITIONS_MAJOR) -> KVCache:
     """The cache's shapes, dtypes and shardings (ShapeDtypeStructs): what programs are compiled for without one."""
-    shapes, shardings = layout.shapes(config, slots, length), cache_sharding(config, mesh, layout)
-    layer = tuple(jax.ShapeDtypeStruct(s, dtype, sharding=d) for s, d in zip(shapes, shardings, strict=True))
-    return [layer] * config.n_layers
+    check_layout(dtype, layout)
+    shapes, shardings = layout.shapes(config, slots, length), cache_sharding(config, mesh, layout, dtype)
+    structs = jax.eval_shape(lambda: tuple(int8_kv.zeros(s, dtype) for s in shapes))
+    with_sharding = lambda x, d: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=d)
+    return [jax.tree.map(with_sharding, structs, shardings)] * config.n_layers
+
+
+def bytes_per_layer(config: ModelConfig, slots: int, length: int, dtype, layout=POSITIONS_MAJOR) -> int:
+    """The bytes of one layer's keys and values (with an int8 cache's scales), unsharded."""
+    shapes = layout.shapes(config, slots, length)
+    structs = jax.eval_shape(lambda: [int8_kv.zeros(s, dtype) for s in shapes])
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(structs))
 
 
 def allocate(config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype, layout=POSITIONS_MAJOR) -> KVCache:
-    shapes, shardings = layout.shapes(config, slots, length), cache_sharding(config, mesh, layout)
-    make = [jax.jit(lambda s=s: jnp.zeros(s, dtype), out_shardings=d) for s, d in zip(shapes, shardings, strict=True)]
+    check_layout(dtype, layout)
+    shapes, shardings = layout.shapes(config, slots, length), cache_sharding(config, mesh, layout, dtype)
+    make = [
+        jax.jit(lambda s=s: int8_kv.zeros(s, dtype), out_shardings=d) for s, d in zip(shapes, shardings, strict=True)
+    ]
     return [(make[0](), make[1]()) for _ in range(config.n_layers)]
 
 
@@ -66,7 +95,8 @@ def resize_layer(layer: tuple, *, length: int, layout: CacheLayout) -> tuple:
             return jnp.pad(x, [(0, length - x.shape[axis]) if i == axis else (0, 0) for i in range(x.ndim)])
         return jax.lax.slice_in_dim(x, 0, length, axis=axis)
 
-    return tuple(one(x, axis) for x, axis in zip(layer, layout.length_axis, strict=True))
+    axes = layout.length_axis
+    return tuple(jax.tree.map(lambda x, a=axis: one(x, a), c) for c, axis in zip(layer, axes, strict=True))
 
 
 def _first(span: int, axis: int) -> tuple:
@@ -76,11 +106,9 @@ def _first(span: int, axis: int) -> tuple:
 
 def take_rows(cache: KVCache, rows, span: int, layout: CacheLayout) -> KVCache:
     """Rows `rows` of the cache, their first `span` positions (an index past the last row clips to it)."""
+    take = lambda x, axis: jnp.take(x[(slice(None), *_first(span, axis))], rows, axis=0, mode="clip")
     return [
-        tuple(
-            jnp.take(x[(slice(None), *_first(span, axis))], rows, axis=0, mode="clip")
-            for x, axis in zip(layer, layout.length_axis, strict=True)
-        )
+        tuple(jax.tree.map(lambda x, a=axis: take(x, a), c) for c, axis in zip(layer, layout.length_axis, strict=True))
         for layer in cache
     ]
 
@@ -88,10 +116,11 @@ def take_rows(cache: KVCache, rows, span: int, layout: CacheLayout) -> KVCache:
 def put_rows(cache: KVCache, new: KVCache, rows, span: int, layout: CacheLayout) -> KVCache:
     """The cache with the first `span` positions of rows `rows` replaced by `new` (an index past the last row
     writes nothing)."""
+    put = lambda x, n, axis: x.at[(rows, *_first(span, axis))].set(n.astype(x.dtype), mode="drop")
     return [
         tuple(
-            x.at[(rows, *_first(span, axis))].set(n.astype(x.dtype), mode="drop")
-            for x, n, axis in zip(layer, new_layer, layout.length_axis, strict=True)
+            jax.tree.map(lambda x, n, a=axis: put(x, n, a), c, m)
+            for c, m, axis in zip(layer, new_layer, layout.length_axis, strict=True)
         )
         for layer, new_layer in zip(cache, new, strict=True)
     ]

@@ -3,6 +3,12 @@ time, and on one device keeps it on disk as exported StableHLO (`jax.export`), s
 lowering it again (XLA's persistent cache, `runtime.enable_compilation_cache`, skips only the compilation). A file
 is found again only by the same program of the same jaxllama source, jax version and configuration; one that cannot
 be read is exported again.
+
+A file is MAGIC, the SHA-256 of the rest, then `Exported.serialize()`: jax's own flatbuffer, whose `out_tree` is the
+pytree of the program's outputs (tuples, lists, dicts, None, and the dataclasses of KEPT_NODES, registered with jax's
+serialization, their static fields as JSON). Reading one runs no Python code of the file's (no pickle, as files of
+earlier versions held: those, a damaged file or one whose digest does not match are exported again); what it runs is
+the program itself, as trusted as the cache folder it is in.
 """
 
 from __future__ import annotations
@@ -10,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import os
-import pickle
 import tempfile
 import time
 from pathlib import Path
@@ -21,13 +27,34 @@ import jax
 import jaxlib
 from jax import export
 
+from jaxllama.core.int8_kv import Int8KV
 from jaxllama.core.ops import Ops
 from jaxllama.engine.runtime import program_cache
+from jaxllama.engine.sampling import SamplingRows
 from jaxllama.engine.stats import EngineStats
+from jaxllama.engine.step import DecodeState
 
 log = logging.getLogger(__name__)
 
 PACKAGE = Path(__file__).resolve().parents[1]
+MAGIC = b"jaxllama exported program 2\n"
+# The dataclasses a kept program's outputs may hold besides tuples, lists, dicts and None. A program whose outputs
+# hold another node runs, but is not kept.
+KEPT_NODES = (DecodeState, SamplingRows, Int8KV)
+
+
+def _tuples(value):
+    """JSON's lists as the tuples they were (a static field is hashable: it holds no list)."""
+    return tuple(_tuples(x) for x in value) if isinstance(value, list) else value
+
+
+for _node in KEPT_NODES:
+    export.register_pytree_node_serialization(
+        _node,
+        serialized_name=f"{_node.__module__}.{_node.__qualname__}",
+        serialize_auxdata=lambda aux: json.dumps(aux).encode(),
+        deserialize_auxdata=lambda data: _tuples(json.loads(data)),
+    )
 
 
 @functools.cache
@@ -141,14 +168,11 @@ def compile_program(folder: Path, fn, args, donate: int | None, static_key, opti
     cannot be exported (the caller then compiles it directly). `custom_calls`: the FFI targets the program may call."""
     leaves, in_tree = jax.tree.flatten(args)
     path = folder / f"{program_key(fn, args, donate, static_key)}.jaxprog"
-    loaded = _read(path)
-    if loaded is None:
-        out_tree = None
+    exported = _read(path)
+    if exported is None:
 
-        def flat(*xs):
-            nonlocal out_tree
-            out, out_tree = jax.tree.flatten(fn(*in_tree.unflatten(xs)))
-            return out
+        def flat(*xs):  # the arguments' leaves in, fn's outputs out: `exported.out_tree` is their pytree
+            return fn(*in_tree.unflatten(xs))
 
         checks = [export.DisabledSafetyCheck.custom_call(target) for target in custom_calls]
         try:
@@ -156,14 +180,12 @@ def compile_program(folder: Path, fn, args, donate: int | None, static_key, opti
         except Exception as e:  # e.g. a custom call jax.export does not take on this backend
             log.warning("could not export program %s (%s); compiling it directly", path.name, e)
             return None
-        _write(path, exported, out_tree)
-    else:
-        exported, out_tree = loaded
+        _write(path, exported)
     donated = () if donate is None else tuple(_leaf_range(args, donate))
     compiled = jax.jit(exported.call, donate_argnums=donated).lower(*leaves).compile(compiler_options=options)
 
     def run(*call_args):
-        return out_tree.unflatten(compiled(*jax.tree.leaves(call_args)))
+        return compiled(*jax.tree.leaves(call_args))
 
     return run
 
@@ -175,6 +197,7 @@ def _leaf_range(args, index: int) -> range:
 
 
 def _read(path: Path):
+    """The program kept in `path`, or None where there is none or it cannot be read (logged)."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -183,23 +206,27 @@ def _read(path: Path):
         log.warning("exported program %s unreadable (%s); exporting it again", path, e)
         return None
     try:
-        size = int.from_bytes(data[:8], "little")
-        return export.deserialize(bytearray(data[8 : 8 + size])), pickle.loads(data[8 + size :])
+        if not data.startswith(MAGIC):
+            raise ValueError("not a program of this version")
+        digest, blob = data[len(MAGIC) : len(MAGIC) + 32], data[len(MAGIC) + 32 :]
+        if hashlib.sha256(blob).digest() != digest:
+            raise ValueError("its SHA-256 differs: changed since it was written")
+        return export.deserialize(bytearray(blob))
     except Exception as e:  # a damaged or foreign file: export the program again
         log.warning("exported program %s unreadable (%s); exporting it again", path, e)
         return None
 
 
-def _write(path: Path, exported, out_tree) -> None:
+def _write(path: Path, exported) -> None:
     temporary = None
     try:
-        blob = exported.serialize()
+        blob = bytes(exported.serialize())
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
             temporary = f.name
-            f.write(len(blob).to_bytes(8, "little") + bytes(blob) + pickle.dumps(out_tree))
+            f.write(MAGIC + hashlib.sha256(blob).digest() + blob)
         os.replace(temporary, path)  # atomic: processes writing at once each leave a whole file
-    except Exception as e:  # a read-only cache, say: the program runs, and is traced again next time
+    except Exception as e:  # a read-only cache, an output node jax cannot serialize: the program runs, not kept
         log.warning("could not keep program %s (%s)", path, e)
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)

@@ -25,6 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxllama.core import int8_kv
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import KVCache, embed, head, layers, rope_angles
 from jaxllama.core.ops import XLA, Ops
@@ -165,7 +166,7 @@ def prefill_layers(
     over the same rounded keys and values whether or not it starts from a stored prefix."""
     if rows is None:
         shapes = ops.cache_layout.shapes(config, x.shape[0], x.shape[1])
-        rows = [tuple(jnp.zeros(shape, cache_dtype or x.dtype) for shape in shapes)] * len(layer_params)
+        rows = [tuple(int8_kv.zeros(shape, cache_dtype or x.dtype) for shape in shapes)] * len(layer_params)
     return layers(layer_params, config, x, positions, rows, rope=rope, ops=ops)
 
 
