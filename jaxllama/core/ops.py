@@ -81,11 +81,26 @@ class Ops:
         out = w.shape[: len(w.shape) - in_dims]
         if isinstance(w, Int8):  # the int8 weight widened as the product reads it; its outputs scaled after
             q = w.quants.reshape(-1, n_in).astype(x.dtype)
+            if self.float32_products and x.size // n_in >= SCALED_WEIGHT_ROWS:
+                # Many rows (a prompt): the scales applied to the weight as the product reads it, so that the
+                # product's partial sums are final and the model axis reduce-scatters them (`model.split_tokens`);
+                # scaled after, an all-reduce of the whole activations must come first. The weight side's extra
+                # multiply is spread over the rows.
+                q = (q.astype(F32) * w.scales.reshape(-1, 1)).astype(x.dtype)
+                y = jax.lax.dot_general(
+                    x.reshape(-1, n_in), q, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype
+                )
+                return y.reshape(*lead, *out)
             if self.float32_products:
-                y = jax.lax.dot_general(x.reshape(-1, n_in), q, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+                # Summed in float32 inside the matrix unit, given in x's dtype: where the model axis splits the
+                # inputs, the partial sums are all-reduced in 16 bits, half the bytes of float32's (a long prefill's
+                # all-reduces bound it on a TPU slice), as a bfloat16 weight's product gives them.
+                y = jax.lax.dot_general(
+                    x.reshape(-1, n_in), q, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype
+                )
             else:
-                y = jax.lax.dot_general(q, x.reshape(-1, n_in), (((1,), (1,)), ((), ()))).T.astype(F32)
-            return (y * w.scales.reshape(-1)).astype(x.dtype).reshape(*lead, *out)
+                y = jax.lax.dot_general(q, x.reshape(-1, n_in), (((1,), (1,)), ((), ()))).T
+            return (y.astype(F32) * w.scales.reshape(-1)).astype(x.dtype).reshape(*lead, *out)
         w = dequantize(w, x.dtype) if isinstance(w, Blocks) else w.astype(x.dtype)
         y = jax.lax.dot_general(w.reshape(-1, n_in), x.reshape(-1, n_in), (((1,), (1,)), ((), ()))).T
         return y.reshape(*lead, *out)
@@ -164,6 +179,7 @@ class Ops:
 
 F32 = jnp.float32
 QUERY_BLOCK = 1024  # a long prompt's queries attend this many at a time (`Ops.attention`)
+SCALED_WEIGHT_ROWS = 256  # an int8 product of this many rows or more scales its weight, not its outputs
 
 
 def _map_products(params, fn):

@@ -87,7 +87,7 @@ class Device:
         self.platform = mesh.devices.flat[0].platform
         one_device = mesh.size == 1 and jax.process_count() == 1 and self.platform == jax.default_backend()
         keep = one_device and not abstract
-        self.programs = Programs(ops, stats, self.platform, keep_exported=keep, abstract=abstract)
+        self.programs = Programs(ops, stats, self.platform, keep_exported=keep, abstract=abstract, mesh=mesh)
         # The weights as the backend's products read them (`params`), prepared a run of `layers_per_program` layers
         # at a time, and the params outside the layers (embedding, final norm, output): with `donate_params`, each
         # part's weights that preparing replaced are freed before the next part is prepared, so that the two copies

@@ -13,6 +13,7 @@ the program itself, as trusted as the cache folder it is in.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -127,8 +128,10 @@ class Programs:
     `abstract`: the arguments are ShapeDtypeStructs; a call compiles its program, records it in `calls` and returns
     its outputs' ShapeDtypeStructs (`engine/aot.py`)."""
 
-    def __init__(self, ops: Ops, stats: EngineStats, platform: str, keep_exported: bool, abstract: bool = False):
-        self.ops, self.stats, self.platform = ops, stats, platform
+    def __init__(
+        self, ops: Ops, stats: EngineStats, platform: str, keep_exported: bool, abstract: bool = False, mesh=None
+    ):
+        self.ops, self.stats, self.platform, self.mesh = ops, stats, platform, mesh
         self.keep_exported, self.abstract = keep_exported, abstract
         self._compiled: dict = {}
         self.calls: list[Compiled] = []  # abstract: every call, in order
@@ -147,11 +150,15 @@ class Programs:
             if (folder := program_cache()) is not None and self.keep_exported:
                 compiled = compile_program(folder, fn, args, donate, static_key, options, self.ops.custom_calls)
             jitted = jax.jit(fn, donate_argnums=() if donate is None else (donate,), out_shardings=out)
-            if self.abstract:
-                compiled, text = _compile_with_text(jitted.lower(*args), options)
-                compiled = Compiled(kind, tuple(key[2]), compiled, time.perf_counter() - start, text)
-            elif compiled is None:
-                compiled = jitted.lower(*args).compile(compiler_options=options)
+            if compiled is None:
+                # traced in the mesh's context, where the model's sharding constraints name its axes
+                with contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh):
+                    lowered = jitted.lower(*args)
+                if self.abstract:
+                    compiled, text = _compile_with_text(lowered, options)
+                    compiled = Compiled(kind, tuple(key[2]), compiled, time.perf_counter() - start, text)
+                else:
+                    compiled = lowered.compile(compiler_options=options)
             seconds = time.perf_counter() - start
             self._compiled[key] = compiled
             self.stats.compiles += 1
