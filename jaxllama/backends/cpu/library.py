@@ -1,7 +1,7 @@
 """The CPU kernels' shared library: every `*.cc` here, built on first use with the system's C++ compiler (`$CXX`,
-else `c++`) for this machine's CPU (-march=native), kept in a folder the caller names under a name that hashes
-everything the build depends on, and registered with XLA as FFI targets. Where no compiler works, or
-`JAXLLAMA_CPU_KERNELS=0`, `load` says so and callers keep XLA's own code.
+else `c++`) for this machine's CPU (-march=native, or the target JAXLLAMA_CPU_MARCH names), kept in a folder the
+caller names under a name that hashes everything the build depends on, and registered with XLA as FFI targets.
+Where no compiler works, or `JAXLLAMA_CPU_KERNELS=0`, `load` says so and callers keep XLA's own code.
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ TARGETS = {
     matmul.GATED_TARGET: "JaxllamaGatedMatmul",
     row_stats.TARGET: "JaxllamaRowStats",
 }
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-Wno-psabi")
+FLAGS = ("-O3", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-Wno-psabi")
+# The CPU the kernels are compiled for: this one, unless JAXLLAMA_CPU_MARCH names another target that this CPU also
+# runs (x86-64-v3: AVX2 and FMA, no AVX-512), so that one machine can test and measure each instruction set's path.
+MARCH = "JAXLLAMA_CPU_MARCH"
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,8 @@ def build(folder: Path) -> Path:
     include = jax.ffi.include_dir()
     key = hashlib.sha256()
     sources = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
-    command = " ".join([*compiler, *FLAGS]).encode()
+    flags = _flags()
+    command = " ".join([*compiler, *flags]).encode()
     for part in (*sources, version.encode(), command, _headers(include), _cpu().encode()):
         key.update(part)
     target = folder / f"cpu_kernels-{key.hexdigest()[:16]}.so"
@@ -83,7 +87,7 @@ def build(folder: Path) -> Path:
     log.info("building the CPU kernels into %s (once per machine and version)", folder)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         built = Path(tmp) / target.name
-        command = [*compiler, *FLAGS, "-I", include, *map(str, SOURCES), "-o", str(built)]
+        command = [*compiler, *flags, "-I", include, *map(str, SOURCES), "-o", str(built)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             names = ", ".join(p.name for p in SOURCES)
@@ -94,6 +98,10 @@ def build(folder: Path) -> Path:
 
 def _headers(include: str) -> bytes:
     return Path(include, "xla", "ffi", "api", "c_api.h").read_bytes()
+
+
+def _flags() -> tuple[str, ...]:
+    return (*FLAGS, f"-march={os.environ.get(MARCH) or 'native'}")
 
 
 def _cpu() -> str:

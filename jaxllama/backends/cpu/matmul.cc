@@ -157,7 +157,8 @@ void Bf16Tile(const float* x, int64_t ldx, const void* w_data, int64_t k, float*
 // The two int8 weight formats. Pairs (`quantize(w, "q8_0")`): each column's inputs in pairs of int8, x as int16,
 // summed by pmaddwd (or VNNI's vpdpwssd). Quads (`"w8a8"`): each column's inputs in fours of unsigned bytes (the
 // int8 weight + 128), x as int8, summed by VNNI's vpdpbusd, which multiplies unsigned by signed bytes: a block's
-// sum then counts 128 x the sum of x's block too (kOffset), which is taken off.
+// sum then counts 128 x the sum of x's block too (kOffset), which is taken off; on AVX2 without VNNI, by pmaddubsw
+// on the weights made signed again, which sums w x x itself (`vec.h`'s DotQuads).
 struct Pairs {
   using Input = int16_t;
   using Weights = RegShorts;
@@ -170,13 +171,13 @@ struct Quads {
   using Input = int8_t;
   using Weights = RegInts;
   static constexpr int64_t kStep = 4;
-  static constexpr int32_t kOffset = 128;
+  static constexpr int32_t kOffset = jaxllama::kSignedQuads ? 0 : 128;  // `vec.h`'s DotQuads
   static Weights Load(const int8_t* p) {
     Weights w;
     std::memcpy(&w, p, sizeof(w));
     return w;
   }
-  static RegInts Dot(RegInts acc, RegInts x, Weights w) { return jaxllama::DotBytes(acc, w, x); }
+  static RegInts Dot(RegInts acc, RegInts x, Weights w) { return jaxllama::DotQuads(acc, w, x); }
 };
 
 // Tile for quantized panels: x given as xq[rows, kp] (F::Input, stride kp) times each block's xs[rows, kp /

@@ -108,6 +108,26 @@ using RegShorts = Shorts;
 #endif
 constexpr int kRegLanes = sizeof(Reg) / sizeof(float);
 
+// w8a8's quads (`matmul.cc`'s Quads): acc + in each int32 lane the sum of the products of 4 weights, stored as
+// unsigned bytes (the int8 weight + 128), and 4 signed input bytes. With VNNI, vpdpbusd multiplies them as they are
+// and the sum counts 128 x the inputs' sum too, which the tile takes off (kSignedQuads false). On AVX2 without it,
+// pmaddubsw would saturate on such products (2 x 255 x 127 > 2^15), so the weights are made signed again and
+// multiplied as llama.cpp's AVX2 Q8_0 products do: |w| (unsigned) by the inputs given w's sign, pairs summed in
+// int16 (at most 2 x 128 x 127: no saturation), then pairs of those in int32 by pmaddwd: the sum of w x s itself.
+#if !defined(JAXLLAMA_WIDE) && defined(__AVX2__) && !((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+constexpr bool kSignedQuads = true;
+inline RegInts DotQuads(RegInts acc, RegInts u, RegInts s) {
+  const __m256i w = _mm256_xor_si256(reinterpret_cast<__m256i>(u), _mm256_set1_epi8(static_cast<char>(0x80)));
+  const __m256i magnitudes = _mm256_sign_epi8(w, w);
+  const __m256i signed_inputs = _mm256_sign_epi8(reinterpret_cast<__m256i>(s), w);
+  const __m256i pairs = _mm256_maddubs_epi16(magnitudes, signed_inputs);
+  return acc + reinterpret_cast<RegInts>(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#else
+constexpr bool kSignedQuads = false;
+inline RegInts DotQuads(RegInts acc, RegInts u, RegInts s) { return DotBytes(acc, u, s); }
+#endif
+
 // float16 <-> float32 for one value, by F16C where the CPU has it (x86 since 2012), else bit by bit (round to
 // nearest, even; without `_Float16`, which older compilers lack on x86).
 inline float HalfToFloat(uint16_t h) {
