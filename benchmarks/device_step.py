@@ -2,7 +2,7 @@
 estimates that compiling on a CPU cannot make.
 
     python -m benchmarks.device_step [--model llama-3.1-8b] [--max-batch 64] [--prompt 512] [--max-tokens 128]
-                                     [--quantize int8] [--mesh data=1,model=1]
+                                     [--quantize int8] [--kv-cache-dtype int8] [--mesh data=1,model=1]
 
 On this machine's devices (a GPU or TPU; on a CPU it runs too, slowly, for a check of the script itself), with
 random weights of a known shape (`core/shapes.py`) in bfloat16: first `compile_engine`'s report for the same mesh,
@@ -27,7 +27,7 @@ from jaxllama.core import kv_groups
 from jaxllama.core.chips import skip_absent_tpu
 from jaxllama.core.params import init_params
 from jaxllama.core.shapes import known_shape
-from jaxllama.engine import aot, buckets, memory
+from jaxllama.engine import aot, buckets, kvcache, memory
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.request import Request, SamplingParams
 
@@ -40,6 +40,7 @@ def main(
     quantize: str | None = None,
     mesh: str | None = None,
     seed: int = 0,
+    kv_cache_dtype: str | None = None,
 ):
     config = known_shape(model)
     if config is None:
@@ -50,16 +51,17 @@ def main(
     max_context = buckets.bucket(prompt + max_tokens + 8, config.max_seq_len)  # the cache the job grows to
     report = aot.compile_engine(
         config, devices, target=devices[0].device_kind, mesh=mesh, max_slots=max_batch, max_context=max_context,
-        prefills=[(min(8, max_batch), prompt)], quantize=quantize,
+        prefills=[(min(8, max_batch), prompt)], quantize=quantize, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
-    plan = memory.plan(config, devices, mesh, max_batch, max_context, jnp.bfloat16, quantize=quantize)
+    cache_dtype = kvcache.dtype(kv_cache_dtype, jnp.bfloat16)
+    plan = memory.plan(config, devices, mesh, max_batch, max_context, cache_dtype, quantize=quantize)
     params = init_params(config, jax.random.key(seed), jnp.bfloat16, plan.mesh)
     r = kv_groups.repeats(config, plan.mesh.shape["model"])
     if r > 1:
         params = kv_groups.repeat_heads(params, config, r)  # on one host: jit places it as the mesh says
     engine = Engine(
         plan.config, params, plan.mesh, max_slots=max_batch, max_context=plan.context, quantize=quantize,
-        decode_steps=1 if devices[0].platform == "cpu" else 8,
+        kv_cache_dtype=kv_cache_dtype, decode_steps=1 if devices[0].platform == "cpu" else 8,
     )  # fmt: skip
     rng = np.random.default_rng(seed)
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -92,6 +94,7 @@ def main(
                 "mesh": dict(plan.mesh.shape),
                 "model": model,
                 "quantize": quantize,
+                "kv_cache_dtype": kv_cache_dtype,
                 "slots": engine.device.slots,
                 "context": plan.context,
                 "wall_s": wall,
