@@ -42,21 +42,9 @@ def _tree(config: ModelConfig, leaf) -> dict:
     return tree
 
 
-def logical_axes(config: ModelConfig):
-    """Pytree (like params) of logical axis-name tuples."""
-    return _tree(config, lambda name, shape, axes: axes)
-
-
 def param_shardings(config: ModelConfig, mesh: Mesh):
     """Pytree (like params) of NamedSharding on `mesh`."""
     return _tree(config, lambda name, shape, axes: named_sharding(mesh, config, axes))
-
-
-def abstract_params(config: ModelConfig, dtype, mesh: Mesh | None = None):
-    """Pytree of ShapeDtypeStruct (with shardings when `mesh` is given): the target for a restore."""
-    dtype = jnp.dtype(dtype)
-    sharding = (lambda axes: None) if mesh is None else (lambda axes: named_sharding(mesh, config, axes))
-    return _tree(config, lambda name, shape, axes: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(axes)))
 
 
 def block_in_dims(name: str) -> int | None:

@@ -248,7 +248,6 @@ class Scheduler:
         else:
             out = self.device.generate(columns, params, cancelled)
         self.stats.decode_s += time.perf_counter() - start - (self.stats.compile_s - compiling)
-        self.stats.decode_calls += 1
         self.stats.decode_steps += out.tokens.shape[0]
         self.stats.slot_steps += int(out.emitted.sum())
         updates = []
@@ -328,7 +327,6 @@ class Scheduler:
             start = time.perf_counter()
             self.device.resize(target)
             self.prefixes.truncate(target)
-            self.stats.cache_resizes += 1
             self.stats.decode_s += time.perf_counter() - start
 
     def _masks(self, constraints: list[TokenConstraint | None]) -> Callable[[], np.ndarray] | None:

@@ -11,14 +11,12 @@ class EngineStats:
     prefill_tokens: int = 0  # computed; cached ones are not
     cached_tokens: int = 0
     prefill_s: float = 0.0
-    decode_calls: int = 0
     decode_steps: int = 0
     decode_s: float = 0.0
     generated_tokens: int = 0
     slot_steps: int = 0  # active slots summed over decode steps
     compiles: int = 0  # programs compiled (or loaded from the caches)
     compile_s: float = 0.0  # compiling programs, and building the CPU kernels
-    cache_resizes: int = 0
 
     def occupancy(self, slots: int) -> float:
         return self.slot_steps / max(1, self.decode_steps * slots)

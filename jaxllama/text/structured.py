@@ -25,13 +25,12 @@ import numpy as np
 from jaxllama.errors import InvalidParameter
 from jaxllama.text.tokenizer import Tokenizer
 
-KINDS = ("json_object", "json_schema", "regex", "grammar")
-
 
 @dataclasses.dataclass(frozen=True)
 class OutputFormat:
-    """What the text must match: `kind` one of KINDS, `value` the JSON schema (a dict), the regular expression or
-    the Lark grammar (None for json_object); `param` the request field that asked for it (for error messages)."""
+    """What the text must match: `kind` "json_object", "json_schema", "regex" or "grammar"; `value` the JSON schema
+    (a dict), the regular expression or the Lark grammar (None for json_object); `param` the request field that
+    asked for it (for error messages)."""
 
     kind: str
     value: object = None
