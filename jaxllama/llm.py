@@ -41,7 +41,7 @@ from jaxllama.generation import Event, Generation, Result
 from jaxllama.protocol.requests import (
     OUTPUT_FORMAT_FIELDS,
     SAMPLING_FIELDS,
-    lone_surrogate,
+    lone_surrogate_text,
     output_format,
     samples,
     sampling_params,
@@ -506,11 +506,12 @@ def _load_text(
 
 def _refuse_lone_surrogates(arguments: dict) -> None:
     """InvalidRequest naming the argument (`prompt[1]`, `stop[0]`) whose text holds a lone surrogate, which is not
-    Unicode text and which no tokenizer takes (`protocol.requests.lone_surrogate`, as the server and job lines)."""
-    surrogate = lone_surrogate(arguments)
+    Unicode text and which no tokenizer takes (`protocol.requests.lone_surrogate_text`, as the server and job
+    lines)."""
+    surrogate = lone_surrogate_text(arguments, escape=False)
     if surrogate is not None:
-        path, char = surrogate
-        raise InvalidRequest(f"{path}: holds {char!r}, a lone surrogate, which is not Unicode text", path)
+        path, _, message = surrogate
+        raise InvalidRequest(message, path)
 
 
 def check_dtype(dtype) -> None:

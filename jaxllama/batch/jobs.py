@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from jaxllama.errors import InvalidJSON, InvalidRequest, UnsupportedEndpoint
-from jaxllama.protocol.requests import lone_surrogate
+from jaxllama.protocol.requests import lone_surrogate_text
 
 OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
@@ -84,12 +83,10 @@ def read_line(raw: str, number: int) -> JobLine:
         rid = number
     # A lone surrogate ("\\udc00", only an escape can make one) fails its line here, even in the id or an OpenAI
     # line's custom_id, which the request pipeline's own check (of the body) does not see.
-    surrogate = lone_surrogate(obj) if "\\u" in raw else None
+    surrogate = lone_surrogate_text(obj) if "\\u" in raw else None
     if surrogate is not None:
-        path, char = surrogate
-        field = re.split(r"[.\[ ]", path, maxsplit=1)[0]
-        problem = InvalidRequest(f"{path}: holds {char!r}, a lone surrogate escape, which is not Unicode text", field)
-        return JobLine(number, rid, openai, problem=problem)
+        _, field, message = surrogate
+        return JobLine(number, rid, openai, problem=InvalidRequest(message, field))
     return JobLine(number, rid, openai, obj)
 
 

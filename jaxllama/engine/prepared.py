@@ -66,7 +66,7 @@ from jaxllama.core.blocks import Blocks
 from jaxllama.core.checkpoint import PARAMS_DIR, file_stamp, load_checkpoint, remove_stale_tmp, temporary_path
 from jaxllama.core.config import CONFIG_FILE, ModelConfig
 from jaxllama.core.int8_weights import Int8
-from jaxllama.engine.programs import source_digest
+from jaxllama.engine.programs import json_tuples, source_digest
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ def _treedef(data) -> PyTreeDef:
             raise Unusable(f"{INDEX}: a dict of {len(children)} children with keys {str(aux)[:80]}")
     elif dataclasses.is_dataclass(node):
         static = [f for f in dataclasses.fields(node) if f.metadata.get("static")]
-        aux = _tuples(data.get("static"))
+        aux = json_tuples(data.get("static"))
         if (
             not isinstance(aux, tuple)
             or len(aux) != len(static)
@@ -258,11 +258,6 @@ def _treedef(data) -> PyTreeDef:
     elif node is type(None) and children:
         raise Unusable(f"{INDEX}: a None with children")
     return PyTreeDef.from_node_data_and_children(default_registry, (node, aux), children)
-
-
-def _tuples(value):
-    """JSON's lists as the tuples they were (a static field is hashable: it holds no list)."""
-    return tuple(_tuples(x) for x in value) if isinstance(value, list) else value
 
 
 def _spec(value) -> PartitionSpec | None:

@@ -44,9 +44,9 @@ MAGIC = b"jaxllama exported program 2\n"
 KEPT_NODES = (DecodeState, SamplingRows, Int8KV)
 
 
-def _tuples(value):
-    """JSON's lists as the tuples they were (a static field is hashable: it holds no list)."""
-    return tuple(_tuples(x) for x in value) if isinstance(value, list) else value
+def json_tuples(value):
+    """JSON's lists as the tuples they were (a pytree node's static field is hashable: it holds no list)."""
+    return tuple(json_tuples(x) for x in value) if isinstance(value, list) else value
 
 
 for _node in KEPT_NODES:
@@ -54,7 +54,7 @@ for _node in KEPT_NODES:
         _node,
         serialized_name=f"{_node.__module__}.{_node.__qualname__}",
         serialize_auxdata=lambda aux: json.dumps(aux).encode(),
-        deserialize_auxdata=lambda data: _tuples(json.loads(data)),
+        deserialize_auxdata=lambda data: json_tuples(json.loads(data)),
     )
 
 

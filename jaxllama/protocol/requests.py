@@ -64,11 +64,9 @@ def parse_body(body: dict, kind: str, defaults: SamplingParams, default_stop: li
     refused. Raises InvalidRequest, InvalidParameter or InvalidMessages."""
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-    surrogate = lone_surrogate(body)
+    surrogate = lone_surrogate_text(body)
     if surrogate is not None:
-        path, char = surrogate
-        message = f"{path}: holds {char!r}, a lone surrogate escape, which is not Unicode text"
-        field = re.split(r"[.\[ ]", path, maxsplit=1)[0]
+        _, field, message = surrogate
         raise InvalidRequest(message, None if field == "body" else field)
     for key, off in UNSUPPORTED.items():
         value = body.get(key)
@@ -173,6 +171,18 @@ def lone_surrogate(value: object) -> tuple[str, str] | None:
         elif isinstance(value, list):
             stack += [(f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value)))]
     return None
+
+
+def lone_surrogate_text(value: object, escape: bool = True) -> tuple[str, str, str] | None:
+    """Where a JSON value holds a lone surrogate (`lone_surrogate`), as a refusal says it: (its path, the path's first
+    name, "PATH: holds '\\udc00', a lone surrogate escape, which is not Unicode text"), or None. `escape`: the text
+    was read from JSON, whose escape made the surrogate."""
+    surrogate = lone_surrogate(value)
+    if surrogate is None:
+        return None
+    path, char = surrogate
+    what = "a lone surrogate escape" if escape else "a lone surrogate"
+    return path, re.split(r"[.\[ ]", path, maxsplit=1)[0], f"{path}: holds {char!r}, {what}, which is not Unicode text"
 
 
 def sampling_params(values: Mapping, defaults: SamplingParams) -> SamplingParams:

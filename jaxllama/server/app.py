@@ -37,7 +37,7 @@ from jaxllama.generation import Event, Result
 from jaxllama.protocol import answers, errors, responses
 from jaxllama.protocol.logprobs import piece_logprobs
 from jaxllama.protocol.pipeline import PreparedRequest, RequestPipeline
-from jaxllama.protocol.requests import lone_surrogate
+from jaxllama.protocol.requests import lone_surrogate_text
 from jaxllama.server.metrics import Metrics
 from jaxllama.server.worker import EngineWorker, RequestStream
 
@@ -119,10 +119,9 @@ class OpenAIHandlers:
         prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
         if not isinstance(prompt, str) or not isinstance(special, bool):
             return _refusal(InvalidRequest("prompt: must be a string; add_special_tokens: true or false"), "completion")
-        surrogate = lone_surrogate(prompt)
+        surrogate = lone_surrogate_text({"prompt": prompt})
         if surrogate is not None:
-            message = f"prompt: holds {surrogate[1]!r}, a lone surrogate escape, which is not Unicode text"
-            return _refusal(InvalidRequest(message, "prompt"), "completion")
+            return _refusal(InvalidRequest(surrogate[2], "prompt"), "completion")
         tokenizer = self.llm.tokenizer  # special-token text becomes its id, as HF tokenizers (and vLLM) read it
         # On a thread: a long text takes seconds, which would hold every other request (and /health) on the loop.
         encode = functools.partial(tokenizer.encode, add_bos=special and tokenizer.add_bos, allow_special=True)
