@@ -5,7 +5,8 @@ them: the sampling parameters and the engine (a prompt past the context), the te
 template), the request pipeline (a body's fields). Only the protocol layer turns them into OpenAI error codes and
 HTTP statuses (`jaxllama.protocol.errors`), by class, never by message. The request errors are ValueErrors: a
 caller that only needs to know "this request is bad" can catch that. Three are failures of the service (busy,
-stopped, its client gone), not of the request; the last, `CheckpointError`, is a bad model on disk.
+stopped, its client gone), not of the request; the last, `CheckpointError`, is a bad model on disk. `is_int` is
+the one type check their callers share.
 """
 
 from __future__ import annotations
@@ -81,3 +82,8 @@ class CheckpointError(ValueError):
 class ModelTooLarge(MemoryError):
     """The model's weights, as its backend runs them, do not fit in the memory there is (checked before loading);
     the message gives both figures."""
+
+
+def is_int(value: object) -> bool:
+    """An int and not a bool: Python counts True as 1, but JSON's true is no count, index or token id."""
+    return isinstance(value, int) and not isinstance(value, bool)

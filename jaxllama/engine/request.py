@@ -12,7 +12,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from jaxllama.errors import InvalidParameter
+from jaxllama.errors import InvalidParameter, is_int
 
 # Why a request ended: an end-of-generation token or a stop string ("stop"), its token budget or the context
 # ("length"), a `finish` call from outside ("cancelled", or "stop" for a stop string found in the text), or its
@@ -61,7 +61,7 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise InvalidParameter naming the field when a parameter is out of range."""
         checks = [
-            ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 0, "must be an integer >= 0"),
+            ("max_tokens", is_int(self.max_tokens) and self.max_tokens >= 0, "must be an integer >= 0"),
             ("temperature", _finite(self.temperature) and self.temperature >= 0, "must be >= 0"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be an integer >= 0"),
             ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
@@ -69,8 +69,7 @@ class SamplingParams:
             ("seed", self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), "must be an integer >= 0"),
             (
                 "min_tokens",
-                _is_int(self.min_tokens)
-                and 0 <= self.min_tokens <= (self.max_tokens if _is_int(self.max_tokens) else 0),
+                is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens if is_int(self.max_tokens) else 0),
                 "must be an integer from 0 to max_tokens",
             ),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "must be true or false"),
@@ -82,13 +81,13 @@ class SamplingParams:
             ),
             (
                 "top_logprobs",
-                _is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_LOGPROBS,
+                is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_LOGPROBS,
                 f"must be an integer from 0 to {MAX_LOGPROBS}",
             ),
             (
                 "prompt_logprobs",
                 self.prompt_logprobs is None
-                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
                 f"must be an integer from 0 to {MAX_LOGPROBS}",
             ),
             ("repetition_penalty", _finite(self.repetition_penalty) and self.repetition_penalty > 0, "must be > 0"),
@@ -137,10 +136,6 @@ def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
             f'logit_bias={value!r}: must map token ids to numbers, e.g. {{"50256": -100}}', "logit_bias"
         ) from None
     return tuple(sorted(pairs.items()))
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _finite(x) -> bool:

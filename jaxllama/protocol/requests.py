@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 
 from jaxllama.engine.request import MAX_LOGPROBS, SamplingParams
-from jaxllama.errors import InvalidParameter, InvalidRequest
+from jaxllama.errors import InvalidParameter, InvalidRequest, is_int
 from jaxllama.text.conversation import validate_messages
 from jaxllama.text.structured import OutputFormat, parse_json_schema
 
@@ -100,7 +100,7 @@ def samples(values: Mapping) -> int:
     samples than are returned is not done). Raises InvalidParameter."""
     n = values.get("n")
     n = 1 if n is None else n
-    if not _is_int(n) or not 1 <= n <= MAX_N:
+    if not is_int(n) or not 1 <= n <= MAX_N:
         raise InvalidParameter(f"n={n!r}: must be an integer from 1 to {MAX_N}", "n")
     best_of = values.get("best_of")
     if best_of is not None and best_of != n:
@@ -150,7 +150,7 @@ def completion_prompts(prompt) -> list[str | list[int]]:
 
 
 def _token_ids(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+    return isinstance(value, list) and bool(value) and all(is_int(t) for t in value)
 
 
 def lone_surrogate(value: object) -> tuple[str, str] | None:
@@ -197,7 +197,7 @@ def sampling_params(values: Mapping, defaults: SamplingParams) -> SamplingParams
             kind = "true or false" if field in BOOLEAN_FIELDS else "a number"
             raise InvalidParameter(f"{key}: must be {kind}, got {value!r}", key)
         if field == "stop_token_ids":
-            if not isinstance(value, (list, tuple)) or not all(_is_int(v) for v in value):
+            if not isinstance(value, (list, tuple)) or not all(is_int(v) for v in value):
                 raise InvalidParameter(f"{key}: must be a list of integers", key)
             value = tuple(value)
         overrides[field], named[field] = value, key
@@ -268,7 +268,7 @@ def output_options(body: dict, kind: str) -> OutputOptions:
 
 def _alternatives(body: dict, key: str) -> int:
     count = body.get(key)
-    if count is not None and (not _is_int(count) or not 0 <= count <= MAX_LOGPROBS):
+    if count is not None and (not is_int(count) or not 0 <= count <= MAX_LOGPROBS):
         raise InvalidParameter(f"{key}: must be an integer from 0 to {MAX_LOGPROBS}", key)
     return count or 0
 
@@ -280,7 +280,3 @@ def _flag(body: dict, key: str, name: str | None = None) -> bool:
     if not isinstance(value, bool):
         raise InvalidParameter(f"{name or key}: must be true or false", name or key)
     return value
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

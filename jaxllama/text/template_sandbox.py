@@ -144,9 +144,9 @@ class BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         what = f"the operator {operator!r}"
         if operator == "*":
             for sequence, times in ((left, right), (right, left)):
-                if isinstance(sequence, (str, list, tuple)) and _is_int(times):
+                if isinstance(sequence, (str, list, tuple)) and errors.is_int(times):
                     budget.check_planned(len(sequence) * times, what, type(sequence))
-        elif operator == "**" and _is_int(left) and _is_int(right) and abs(left) > 1:
+        elif operator == "**" and errors.is_int(left) and errors.is_int(right) and abs(left) > 1:
             if right * abs(left).bit_length() > MAX_INT_BITS:
                 raise RenderLimitExceeded(f"{what} would build an integer of more than {MAX_INT_BITS} bits")
         elif operator == "%" and isinstance(left, str):
@@ -210,7 +210,7 @@ _PASSED = (jinja2.runtime.Context, jinja2.nodes.EvalContext, jinja2.Environment)
 def _precheck(budget: RenderBudget, name: str, text: str, args: tuple, kwargs: Mapping) -> None:
     """Refuse a string method or filter `name` on `text` whose result would be too large."""
     what = f"{name!r}"
-    numbers = [v for v in (*args, *kwargs.values()) if _is_int(v)]
+    numbers = [v for v in (*args, *kwargs.values()) if errors.is_int(v)]
     if name in _WIDTH_METHODS:
         width = max(numbers, default=0)
         lines = text.count("\n") + 1 if name == "indent" else 1
@@ -229,7 +229,3 @@ def _check_widths(budget: RenderBudget, fmt: str, what: str) -> None:
     for field in _FORMAT_FIELD.findall(fmt):
         for digits in _DIGITS.findall(field):
             budget.check_planned(int(digits[:12]) if len(digits) <= 12 else budget.max_chars + 1, what)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
