@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from jaxllama.errors import InvalidJSON, InvalidRequest, UnsupportedEndpoint
-from jaxllama.protocol.requests import lone_surrogate_text
+from jaxllama.protocol.requests import ENDPOINTS, lone_surrogate_text
 
-OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+OPENAI_URLS = {url: kind for kind, url in ENDPOINTS.items()}  # an OpenAI Batch line's "url" -> its kind
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,9 @@ from jaxllama.errors import InvalidParameter, InvalidRequest, is_int
 from jaxllama.text.conversation import validate_messages
 from jaxllama.text.structured import OutputFormat, parse_json_schema
 
+ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+"""The kinds of request and the OpenAI path of each: where the server takes it, the "url" of an OpenAI Batch line."""
+
 SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams))
 """The sampling keywords `LLM.generate` takes: `SamplingParams`' own fields."""
 

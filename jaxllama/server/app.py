@@ -37,12 +37,11 @@ from jaxllama.generation import Event, Result
 from jaxllama.protocol import answers, errors, responses
 from jaxllama.protocol.logprobs import piece_logprobs
 from jaxllama.protocol.pipeline import PreparedRequest, RequestPipeline
-from jaxllama.protocol.requests import lone_surrogate_text
+from jaxllama.protocol.requests import ENDPOINTS, lone_surrogate_text
 from jaxllama.server.metrics import Metrics
 from jaxllama.server.worker import EngineWorker, RequestStream
 
 JSONObject = Annotated[dict[str, Any], Body()]
-ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 # What a request can fail with before its answer starts: its body, its encoding or the engine's checks
 # (ValueErrors), a full queue, a stopped engine, a client gone.
