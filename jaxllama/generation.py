@@ -41,14 +41,22 @@ class Result:
 
     @property
     def usage(self) -> dict:
-        """OpenAI's usage object."""
-        n = len(self.token_ids)
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": n,
-            "total_tokens": self.prompt_tokens + n,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
+        """OpenAI's usage object of this result alone (`usage`)."""
+        return usage([[self]])
+
+
+def usage(prompts: Sequence[Sequence[Result]]) -> dict:
+    """OpenAI's usage object of an answer, from each prompt's results (its n samples): every prompt counted once, with
+    the tokens its first sample found in the cache, and every sample's generated tokens."""
+    firsts = [samples[0] for samples in prompts]
+    prompt = sum(r.prompt_tokens for r in firsts)
+    completion = sum(len(r.token_ids) for samples in prompts for r in samples)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
+    }
 
 
 @dataclasses.dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jaxllama import generation
 from jaxllama.protocol import responses
 from jaxllama.protocol.logprobs import answer_logprobs
 from jaxllama.protocol.pipeline import PreparedRequest
@@ -25,7 +26,5 @@ def answer(request: PreparedRequest, results: list[list[Result]], model: str, to
             flat.append(result)
             texts.append(echoed + result.text)
             logprobs.append(answer_logprobs(request.kind, tokenizer, request.options, prompt, result, echoed))
-    usages = [responses.usage(samples) for samples in results]
-    total = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    total["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)}
-    return responses.completion(request.kind, flat, request.model or model, logprobs=logprobs, texts=texts, total=total)
+    total = generation.usage(results)
+    return responses.completion(request.kind, flat, request.model or model, logprobs=logprobs, texts=texts, usage=total)

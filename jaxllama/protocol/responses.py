@@ -12,6 +12,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
+from jaxllama import generation
+
 if TYPE_CHECKING:
     from jaxllama.generation import Result
 
@@ -33,12 +35,12 @@ def completion(
     id: str | None = None,
     logprobs: dict | list[dict | None] | None = None,
     texts: list[str] | None = None,
-    total: dict | None = None,
+    usage: dict | None = None,
 ) -> dict:
     """The whole answer: a `chat.completion` (kind "chat") or a `text_completion` (kind "completion"), with one
     choice per result (a request's n samples, in order; `logprobs` then one per result). `texts`: each choice's
-    text, where it is not its result's (an echoed prompt before it); `total`: the answer's usage, where it is not
-    that of one prompt's samples (several prompts)."""
+    text, where it is not its result's (an echoed prompt before it); `usage`: the answer's, where it is not that of
+    one prompt's samples (several prompts)."""
     results = result if isinstance(result, list) else [result]
     logprobs = logprobs if isinstance(logprobs, list) else [logprobs] * len(results)
     texts = texts or [r.text for r in results]
@@ -50,7 +52,7 @@ def completion(
         "choices": [
             _choice(kind, i, r, lp, text) for i, (r, lp, text) in enumerate(zip(results, logprobs, texts, strict=True))
         ],
-        "usage": total or usage(results),
+        "usage": usage or generation.usage([results]),
         "timings": timings(results[0]),
     }
 
@@ -63,15 +65,6 @@ def _choice(kind: str, index: int, result: Result, logprobs: dict | None, text: 
         choice["text"] = text
     choice.update(logprobs=logprobs, finish_reason=result.finish_reason, stop_reason=result.stop_reason)
     return choice
-
-
-def usage(results: Result | list[Result]) -> dict:
-    """OpenAI's usage object of a request's results (its n samples): the prompt once, every sample's tokens."""
-    results = results if isinstance(results, list) else [results]
-    out = dict(results[0].usage)
-    out["completion_tokens"] = sum(len(r.token_ids) for r in results)
-    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
-    return out
 
 
 def chunk(
@@ -125,7 +118,7 @@ def usage_chunk(kind: str, id: str, created: int, model: str, result: Result | l
         "created": created,
         "model": model,
         "choices": [],
-        "usage": usage(results),
+        "usage": generation.usage([results]),
         "timings": timings(results[0]),
     }
 
