@@ -1,6 +1,6 @@
 """One path from an OpenAI request body to what the engine runs, for `jaxllama run` and `jaxllama serve` alike:
-body -> checked fields (`requests.parse_body`, `requests.output_options`) -> prompt token ids (the model's
-tokenizer and chat template) -> a `PreparedRequest`, which the caller submits to the engine.
+body -> checked fields (`requests.parse_body`) -> prompt token ids (the model's tokenizer and chat template) -> a
+`PreparedRequest`, which the caller submits to the engine.
 
 Each step raises a `jaxllama.errors` class when the request is bad; the caller answers it through
 `jaxllama.protocol.errors`, the same way whichever front end read the body.
@@ -13,7 +13,7 @@ from typing import Protocol
 
 from jaxllama.engine.request import SamplingParams
 from jaxllama.errors import InvalidParameter, InvalidRequest
-from jaxllama.protocol.requests import OutputOptions, output_options, parse_body
+from jaxllama.protocol.requests import OutputOptions, parse_body
 from jaxllama.text.structured import Grammar, OutputFormat
 
 
@@ -67,7 +67,7 @@ class RequestPipeline:
         body's fields are bad (InvalidRequest, InvalidParameter, InvalidMessages) or the chat template failed on
         its conversation (TemplateError)."""
         parsed = parse_body(body, kind, self.defaults, list(self.stop))
-        options = output_options(body, kind)
+        options = parsed.options
         if not self.output_options:
             if kind == "completion" and len(parsed.prompts) > 1:
                 raise InvalidRequest("prompt: a job line holds one prompt", "prompt")

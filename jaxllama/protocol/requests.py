@@ -1,9 +1,9 @@
 """Reading an OpenAI-style request body (chat or completion): which fields exist and what they may hold.
 
-`parse_body` checks a body's prompt or conversation, sampling fields and stop strings; `output_options` its
-delivery fields (streaming, log-probabilities). A bad field raises the `jaxllama.errors` class for its kind of
+`parse_body` checks a body's prompt or conversation, sampling fields, stop strings and, through `output_options`,
+its delivery fields (streaming, log-probabilities). A bad field raises the `jaxllama.errors` class for its kind of
 failure, naming the field as the request named it; `jaxllama.protocol.errors` turns that into an OpenAI error.
-The request pipeline (`jaxllama.protocol.pipeline`) calls both for the batch runner and the server.
+The request pipeline (`jaxllama.protocol.pipeline`) calls it for the batch runner and the server.
 """
 
 from __future__ import annotations
@@ -49,13 +49,14 @@ expression, a Lark grammar as llguidance reads it); a request may give one."""
 @dataclasses.dataclass
 class ParsedBody:
     """A valid request: the conversation (chat) or the prompts (completion: texts or token id lists, one answer
-    each), how to sample, the stop strings."""
+    each), how to sample, the stop strings, how to deliver the answer."""
 
     kind: str  # "chat" | "completion"
     messages: list[dict] | None
     prompts: list[str | list[int]] | None
     params: SamplingParams
     stop: list[str]
+    options: OutputOptions  # the delivery fields (`output_options`)
     model: str | None = None
     output: OutputFormat | None = None  # what the text must match
     n: int = 1  # samples of the prompt
@@ -84,14 +85,14 @@ def parse_body(body: dict, kind: str, defaults: SamplingParams, default_stop: li
     else:
         raise ValueError(f"kind must be 'chat' or 'completion', not {kind!r}")
     options = output_options(body, kind)
-    params = sampling_params({k: v for k, v in body.items() if k not in LOGPROB_FIELDS}, defaults)
-    params = dataclasses.replace(params, **options.sampling())
+    values = {k: v for k, v in body.items() if k not in LOGPROB_FIELDS}
+    params = sampling_params(values, defaults, fixed=options.sampling())
     if params.max_tokens == 0 and not options.echo:
         key = next((k for k in ("max_tokens", "max_completion_tokens") if body.get(k) == 0), "max_tokens")
         raise InvalidParameter(f"{key}=0: only with echo (the prompt's log-probabilities)", key)
     stop = stop_strings(body, default_stop)
     model = body.get("model") if isinstance(body.get("model"), str) else None
-    return ParsedBody(kind, messages, prompts, params, stop, model, output_format(body), samples(body))
+    return ParsedBody(kind, messages, prompts, params, stop, options, model, output_format(body), samples(body))
 
 
 MAX_N = 128
@@ -188,9 +189,10 @@ def lone_surrogate_text(value: object, escape: bool = True) -> tuple[str, str, s
     return path, re.split(r"[.\[ ]", path, maxsplit=1)[0], f"{path}: holds {char!r}, {what}, which is not Unicode text"
 
 
-def sampling_params(values: Mapping, defaults: SamplingParams) -> SamplingParams:
+def sampling_params(values: Mapping, defaults: SamplingParams, fixed: Mapping | None = None) -> SamplingParams:
     """`defaults` with the sampling fields of `values` (a request body or `LLM.generate`'s keywords; see
-    `REQUEST_FIELDS`; None means absent). Raises InvalidParameter naming the field as `values` named it."""
+    `REQUEST_FIELDS`; None means absent) and then those of `fixed` (by field name; None is a value), made, and so
+    checked, once. Raises InvalidParameter naming the field as `values` named it."""
     overrides, named = {}, {}  # SamplingParams field -> value, and the request field that gave it
     for key, field in REQUEST_FIELDS.items():
         value = values.get(key)
@@ -204,6 +206,7 @@ def sampling_params(values: Mapping, defaults: SamplingParams) -> SamplingParams
                 raise InvalidParameter(f"{key}: must be a list of integers", key)
             value = tuple(value)
         overrides[field], named[field] = value, key
+    overrides.update(fixed or {})
     try:
         return dataclasses.replace(defaults, **overrides)
     except InvalidParameter as e:  # "max_tokens=-1: must be an integer >= 0"
