@@ -32,7 +32,8 @@ from jaxllama.core.config import STORAGE_DTYPES, ModelConfig
 from jaxllama.core.model import forward, sequence_logits
 from jaxllama.core.params import abstract_stored, activation_dtype_of, as_blocks, product_form
 from jaxllama.engine import kvcache, memory, prepared
-from jaxllama.engine.engine import DEFAULT_SLOTS, Engine, check_options
+from jaxllama.engine.buckets import DEFAULT_SLOTS
+from jaxllama.engine.engine import Engine, check_options
 from jaxllama.engine.programs import preload_imports
 from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir, prepared_cache

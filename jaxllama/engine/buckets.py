@@ -9,6 +9,9 @@ from __future__ import annotations
 # positions would only add its own decode programs for attention that costs little next to the products.
 MIN_BUCKET = 128
 FINE_BUCKETS_FROM = 128  # cache lengths step by 1.5x from here on, by 2x below (see `bucket`)
+# Decode slots by default: larger decode batches run nearer the matrix-product peak, and a slot's cache grows only
+# as its sequence does.
+DEFAULT_SLOTS = 64
 # Decode batch sizes below the slot count: a step over a few active slots runs just those, padded to the next of
 # these (a step's cost grows with its rows; see `Scheduler._decode_columns`).
 ROW_BUCKETS = (1, 8, 16, 32, 64)

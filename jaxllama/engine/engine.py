@@ -18,14 +18,12 @@ from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import activation_dtype
 from jaxllama.core.ops import Ops
 from jaxllama.engine import buckets, kvcache
+from jaxllama.engine.buckets import DEFAULT_SLOTS
 from jaxllama.engine.device import Device
 from jaxllama.engine.runtime import kernel_dir
 from jaxllama.engine.scheduler import Scheduler
 from jaxllama.engine.stats import EngineStats
 
-# Decode slots by default: larger decode batches run nearer the matrix-product peak, and a slot's cache grows only
-# as its sequence does.
-DEFAULT_SLOTS = 64
 # Decoder layers per compiled program (`step.py`): SmolLM2's 30 layers run as 6 calls of one program.
 LAYERS_PER_PROGRAM = 5
 
