@@ -5,6 +5,9 @@ jaxllama run jobs/eval.jsonl [--model PATH] [--output OUT.jsonl] ...
 jaxllama serve [--model PATH] [--host 127.0.0.1] [--port 8000] ...
 jaxllama info [PATH]
 jaxllama chat [--model PATH]
+
+Each command's flags are its keyword parameters; --help describes a flag from the command's docstring (`Args:`), or
+from FLAG_HELP where several commands share it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import sys
 
 import fire
 
+from jaxllama.engine.buckets import DEFAULT_SLOTS
 from jaxllama.engine.request import SamplingParams
 from jaxllama.errors import ModelTooLarge
 
@@ -62,7 +66,7 @@ def _common_setup(
         mesh=mesh,
         chat_template=chat_template,
         extra_eos_ids=_as_list(eos_id, int),
-        **({} if max_batch is None else {"max_slots": max_batch}),
+        max_slots=int(max_batch),
         max_context=max_context,
         decode_steps=decode_steps,
         quantize=quantize,
@@ -133,7 +137,7 @@ def run(
     eos_id=None,
     system_prompt: str | None = None,
     chat_template: str | None = None,
-    max_batch: int | None = None,
+    max_batch: int = DEFAULT_SLOTS,
     max_context: int | None = None,
     decode_steps: int | None = None,
     quantize: str | None = None,
@@ -159,32 +163,14 @@ def run(
 
     Args:
       job: the JSONL job file.
-      model: a checkpoint: converted, or a GGUF file, Hugging Face or Meta folder (converted once into the cache);
-        default: SmolLM2-135M-Instruct.
       output: the output JSONL file.
-      mesh: device mesh, e.g. data=2,model=4 (default: chosen from the devices and the model).
       max_tokens: tokens to generate per request at most.
-      temperature: sampling temperature; 0 is greedy.
-      top_p: nucleus sampling mass.
       top_k: sample among the k most likely tokens (0: off).
       min_p: drop tokens less likely than min_p times the most likely one.
       seed: random seed for sampling (per request, reproducible whatever shares the batch).
       stop: a stop string, in which \\n, \\t, \\r, \\\\ and \\uXXXX stand for those characters (repeat --stop
         for more).
-      eos_id: an extra end-of-generation token id (repeatable).
       system_prompt: a system message for chat lines that have none.
-      chat_template: a built-in template (llama2, llama3, chatml, raw) or a .jinja file.
-      max_batch: decode slots: requests generated at once (default: the engine's, 64).
-      max_context: context limit (prompt + completion), at most the model's.
-      decode_steps: decode steps per host round trip.
-      quantize: q8_0, w8a8 or q4_0 to quantize float weights at load (one CPU device): int8 weights (llama.cpp's
-        Q8_0) multiplied by inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512
-        VNNI), or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored. int8:
-        on an accelerator (or a CPU mesh), int8 weights with a scale per output channel (blocks requantized).
-      dtype: float32, bfloat16 or float16 to convert every weight to it while loading (blocks dequantized);
-        default: the weights as the checkpoint stores them.
-      kv_cache_dtype: float16 or bfloat16 keeps the KV cache in 16 bits, int8 (XLA's path: accelerators, a CPU
-        mesh) in 8 with a scale per vector; auto (default): the weights' dtype.
       overwrite: start over instead of resuming.
       no_retry_errors: on resume, keep the error records of failed lines instead of running them again.
       stats_file: also write the summary statistics as JSON here.
@@ -276,7 +262,7 @@ def serve(
     max_tokens: int | None = None,
     eos_id=None,
     chat_template: str | None = None,
-    max_batch: int | None = None,
+    max_batch: int = DEFAULT_SLOTS,
     max_queue: int = 256,
     max_context: int | None = None,
     decode_steps: int | None = None,
@@ -289,27 +275,11 @@ def serve(
     GET /v1/models, /health and /metrics (Prometheus). Concurrent requests share the engine's slots.
 
     Args:
-      model: a checkpoint: converted, or a GGUF file, Hugging Face or Meta folder (converted once into the cache);
-        default: SmolLM2-135M-Instruct.
       host: the address to listen on.
       port: the port to listen on.
-      mesh: device mesh, e.g. data=2,model=4 (default: chosen from the devices and the model).
       served_model_name: the model's name in /v1/models and in answers (default: the checkpoint folder's).
       max_tokens: tokens per answer when a request does not say (default: up to the context limit).
-      eos_id: an extra end-of-generation token id (repeatable).
-      chat_template: a built-in template (llama2, llama3, chatml, raw) or a .jinja file.
-      max_batch: decode slots: requests generated at once (default: the engine's, 64).
       max_queue: samples (prompts x n) waiting for a slot at most; a request beyond is answered 429.
-      max_context: context limit (prompt + completion), at most the model's.
-      decode_steps: decode steps per host round trip.
-      quantize: q8_0, w8a8 or q4_0 to quantize float weights at load (one CPU device): int8 weights (llama.cpp's
-        Q8_0) multiplied by inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512
-        VNNI), or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored. int8:
-        on an accelerator (or a CPU mesh), int8 weights with a scale per output channel (blocks requantized).
-      dtype: float32, bfloat16 or float16 to convert every weight to it while loading (blocks dequantized);
-        default: the weights as the checkpoint stores them.
-      kv_cache_dtype: float16 or bfloat16 keeps the KV cache in 16 bits, int8 (XLA's path: accelerators, a CPU
-        mesh) in 8 with a scale per vector; auto (default): the weights' dtype.
       log_level: uvicorn's log level (debug, info, warning, error).
     """
     import uvicorn
@@ -331,7 +301,7 @@ def compile(
     model: str | None = None,
     topology: str | None = None,
     mesh: str | None = None,
-    max_batch: int = 64,
+    max_batch: int = DEFAULT_SLOTS,
     max_context: int | None = None,
     dtype: str | None = None,
     quantize: str | None = None,
@@ -353,13 +323,10 @@ def compile(
         pip install -e '.[tpu]'); default: this machine's devices.
       mesh: device mesh, e.g. data=1,model=8 (default: of those that fit, the one whose decode step reads the
         fewest bytes per device).
-      max_batch: decode slots.
       max_context: context in positions (default: on an accelerator the longest that fits, at most the model's).
       dtype: float32, bfloat16 or float16: every weight in it (default: the checkpoint's; bfloat16 for a shape).
       quantize: int8: every product's weight quantized at load, with a scale per output channel (XLA's products on
         an accelerator); q8_0 or q4_0: stored as llama.cpp's blocks of 32, as a converted GGUF of that type holds them.
-      kv_cache_dtype: float16 or bfloat16 keeps the KV cache in 16 bits, int8 (XLA's path: accelerators, a CPU
-        mesh) in 8 with a scale per vector; auto (default): the weights' dtype.
       prefill: the prefills to compile, ROWSxTOKENS separated by commas (default: 1xCONTEXT-1,8x512).
       json: print the report as one JSON object.
       hlo_dir: also write each compiled program's optimized HLO into this folder.
@@ -453,23 +420,9 @@ def chat(
     """Chat with a model in the terminal, the reply streamed as it is generated. Ctrl-D or /exit to quit.
 
     Args:
-      model: a checkpoint: converted, or a GGUF file, Hugging Face or Meta folder (converted once into the cache);
-        default: SmolLM2-135M-Instruct.
       system_prompt: a system message for the conversation.
       max_tokens: tokens per reply at most.
-      temperature: sampling temperature; 0 is greedy.
-      top_p: nucleus sampling mass.
       seed: random seed.
-      mesh: device mesh, e.g. data=1,model=2.
-      chat_template: a built-in template name or a .jinja file.
-      quantize: q8_0, w8a8 or q4_0 to quantize float weights at load (one CPU device): int8 weights (llama.cpp's
-        Q8_0) multiplied by inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512
-        VNNI), or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored. int8:
-        on an accelerator (or a CPU mesh), int8 weights with a scale per output channel (blocks requantized).
-      dtype: float32, bfloat16 or float16 to convert every weight to it while loading (blocks dequantized);
-        default: the weights as the checkpoint stores them.
-      kv_cache_dtype: float16 or bfloat16 keeps the KV cache in 16 bits, int8 (XLA's path: accelerators, a CPU
-        mesh) in 8 with a scale per vector; auto (default): the weights' dtype.
     """
     try:
         options = {"quantize": quantize, "kv_cache_dtype": kv_cache_dtype, "dtype": dtype}
@@ -504,6 +457,29 @@ def _fail(message: str):
 
 COMMANDS = {"run": run, "serve": serve, "info": info, "chat": chat, "compile": compile}
 
+# What --help says of a flag that several commands take. A command's docstring (`Args:`) describes its own flags, and
+# one of these only where it means something else there (compile's --model also takes a known shape).
+FLAG_HELP = {
+    "model": "a checkpoint: converted, or a GGUF file, Hugging Face or Meta folder (converted once into the cache); "
+    "default: SmolLM2-135M-Instruct.",
+    "mesh": "device mesh, e.g. data=2,model=4 (default: chosen from the devices and the model).",
+    "temperature": "sampling temperature; 0 is greedy.",
+    "top_p": "nucleus sampling mass.",
+    "eos_id": "an extra end-of-generation token id (repeatable).",
+    "chat_template": "a built-in template (llama2, llama3, chatml, raw) or a .jinja file.",
+    "max_batch": "decode slots: requests generated at once.",
+    "max_context": "context limit (prompt + completion), at most the model's.",
+    "decode_steps": "decode steps per host round trip.",
+    "quantize": "q8_0, w8a8 or q4_0 to quantize float weights at load (one CPU device): int8 weights (llama.cpp's "
+    "Q8_0) multiplied by inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512 VNNI), "
+    "or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored. int8: on an "
+    "accelerator (or a CPU mesh), int8 weights with a scale per output channel (blocks requantized).",
+    "dtype": "float32, bfloat16 or float16 to convert every weight to it while loading (blocks dequantized); default: "
+    "the weights as the checkpoint stores them.",
+    "kv_cache_dtype": "float16 or bfloat16 keeps the KV cache in 16 bits, int8 (XLA's path: accelerators, a CPU mesh) "
+    "in 8 with a scale per vector; auto (default): the weights' dtype.",
+}
+
 # How --help and the README write the value of an argument without a default (one with a default shows it).
 METAVARS = {
     "job": "JOB.jsonl",
@@ -516,7 +492,6 @@ METAVARS = {
     "eos_id": "ID",
     "system_prompt": "TEXT",
     "chat_template": "NAME|FILE",
-    "max_batch": "64",
     "max_context": "N",
     "decode_steps": "N",
     "max_tokens": "N",
@@ -541,7 +516,7 @@ def main(argv: list[str] | None = None):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
     command = check_argv(
-        "jaxllama", COMMANDS, argv, version=__version__, metavars=METAVARS, repeatable=REPEATABLE
+        "jaxllama", COMMANDS, argv, version=__version__, metavars=METAVARS, repeatable=REPEATABLE, helps=FLAG_HELP
     )  # exits with the usage on a command line the command cannot take, before anything loads
     from jaxllama.core.chips import skip_absent_tpu
 

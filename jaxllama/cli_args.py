@@ -5,8 +5,8 @@ number that is not one is refused with the command's usage and exit status 2, be
 Flags take either spelling (`--max-tokens`, `--max_tokens`), `--flag value` or `--flag=value`; booleans also
 `--no-flag`; repeatable flags (`--stop a --stop b`) gather into a list. What passes is handed to fire as
 `--name=<Python literal>`, so that fire reads every value exactly as given (a `--system-prompt` of `True` stays text).
-Help is written here too, from the signature and the docstring's `Args:`, with the flags spelled as the README
-writes them, and printed without a pager.
+Help is written here too, from the signature and the docstring's `Args:` (or, for a flag it leaves out, the help the
+commands share), with the flags spelled as the README writes them, and printed without a pager.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import dataclasses
 import inspect
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 WIDTH = 110
 
@@ -38,9 +38,10 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
 
-def options(fn: Callable, repeatable: Sequence[str] = ()) -> list[Option]:
-    """fn's parameters as command-line options: those before `*` are positional arguments, the rest flags."""
-    docs = _arg_docs(fn.__doc__ or "")
+def options(fn: Callable, repeatable: Sequence[str] = (), helps: Mapping[str, str] | None = None) -> list[Option]:
+    """fn's parameters as command-line options: those before `*` are positional arguments, the rest flags. An option's
+    help is fn's docstring's, else that of `helps` (what several commands share)."""
+    docs = {**(helps or {}), **_arg_docs(fn.__doc__ or "")}
     out = []
     for p in inspect.signature(fn).parameters.values():
         required = p.default is inspect.Parameter.empty
@@ -210,11 +211,18 @@ def wrap(items: Sequence[str], first: str, indent: int) -> str:
     return "\n".join([*lines, line])
 
 
-def help_text(program: str, command: str, fn: Callable, metavars: dict[str, str], repeatable=()) -> str:
+def help_text(
+    program: str,
+    command: str,
+    fn: Callable,
+    metavars: dict[str, str],
+    repeatable=(),
+    helps: Mapping[str, str] | None = None,
+) -> str:
     items = usage(command, fn, metavars, repeatable)
     head = f"usage: {program}"
     parts = [wrap(items, head, len(head) + len(command) + 2), "", _description(fn)]
-    opts = options(fn, repeatable)
+    opts = options(fn, repeatable, helps)
     rows = [(metavar(o, metavars), o.help) for o in opts if o.positional]
     if rows:
         parts += ["", "arguments:", *_table(rows)]
@@ -262,9 +270,11 @@ def check_argv(
     version: str,
     metavars: dict[str, str],
     repeatable: Sequence[str] = (),
+    helps: Mapping[str, str] | None = None,
 ) -> list[str]:
     """fire's command line for argv (the command's name, then its arguments as `fire_argv` writes them); or the help
-    or the version printed (exit 0), or the usage and what was wrong (exit 2)."""
+    or the version printed (exit 0), or the usage and what was wrong (exit 2). `helps`: the help of flags that several
+    commands share, for those a command's docstring leaves out."""
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         _exit(top_help(program, commands), 0 if argv else 2)
@@ -275,7 +285,7 @@ def check_argv(
         _exit(f"{top_help(program, commands)}\nerror: unknown command {command!r}\n", 2)
     fn = commands[command]
     if any(a in ("-h", "--help") for a in args):
-        _exit(help_text(program, command, fn, metavars, repeatable), 0)
+        _exit(help_text(program, command, fn, metavars, repeatable, helps), 0)
     try:
         return [command, *fire_argv(fn, args, repeatable)]
     except UsageError as e:
