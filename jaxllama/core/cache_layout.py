@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxllama.core import paged_kv
+
 # The logical axes of keys and values, by layout (`core/sharding.py` maps them onto a mesh).
 _VALUES = ("batch", "kv_heads", "cache_seq", "head_dim")
 _TRANSPOSED = ("batch", "kv_heads", "head_dim", "cache_seq")
@@ -19,13 +21,21 @@ _TRANSPOSED = ("batch", "kv_heads", "head_dim", "cache_seq")
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """keys transposed ([batch, kv_heads, head_dim, positions]) or positions-major, like the values."""
+    """keys transposed ([batch, kv_heads, head_dim, positions]) or positions-major, like the values; or, with a
+    `page_size`, both in a pool of pages (`core/paged_kv.py`), a slot's worth of pages for every slot."""
 
     transposed_keys: bool = False
+    page_size: int = 0
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
 
     @property
     def axes(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The logical axes of (keys, values)."""
+        if self.paged:
+            return paged_kv.AXES, paged_kv.AXES
         return (_TRANSPOSED if self.transposed_keys else _VALUES), _VALUES
 
     @property
@@ -34,7 +44,10 @@ class CacheLayout:
         return (3 if self.transposed_keys else 2), 2
 
     def shapes(self, config, batch: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The shapes of one layer's (keys, values) for `batch` rows of `length` positions."""
+        """The shapes of one layer's (keys, values) for `batch` rows of `length` positions (paged: the pool's)."""
+        if self.paged:
+            pool = paged_kv.shape(config, batch * -(-length // self.page_size), self.page_size)
+            return pool, pool
         kv, hd = config.n_kv_heads, config.head_dim
         values = (batch, kv, length, hd)
         return ((batch, kv, hd, length) if self.transposed_keys else values), values

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxllama.core import int8_kv
+from jaxllama.core import int8_kv, paged_kv
 from jaxllama.core.blocks import Blocks, dequantize
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import XLA, Ops
@@ -95,24 +95,29 @@ def rms_norm(p, x: jax.Array, eps: float) -> jax.Array:
     return (normed * p["scale"].astype(jnp.float32)).astype(x.dtype)
 
 
-def attention(p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None, ops: Ops = XLA):
+def attention(p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None, ops: Ops = XLA, pages=None):
     """x [b, t, dim], positions [b, t] and their `rope_angles`; cache_k and cache_v n rows of s positions, laid out
     as `ops.cache_layout` says -> (out, cache_k, cache_v).
 
     `rows` [b] (optional): the cache row of each x row (n may then exceed b; an index >= n writes nothing);
-    by default row i of x is row i of the cache (n == b)."""
+    by default row i of x is row i of the cache (n == b). `pages` [b, n] (optional): cache_k and cache_v are pools
+    of pages (`core/paged_kv.py`) and row i's sequence sits in the pages pages[i] names."""
     q, k, v = ops.project(x, p, QKV)
     q, k = apply_rope(q, rope), apply_rope(k, rope)
+    q = q.reshape(*q.shape[:2], c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim)  # [b, t, kv, g, hd]
 
     # Write this call's keys/values at their positions (rows past the cache's end are dropped).
-    at = (jnp.arange(x.shape[0]) if rows is None else rows)[:, None]
-    if ops.cache_layout.transposed_keys:
-        cache_k = cache_k.at[at, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
+    if pages is not None:
+        cache_k, cache_v = paged_kv.write(cache_k, pages, positions, k), paged_kv.write(cache_v, pages, positions, v)
+        out = ops.paged_attention(q, cache_k, cache_v, positions, pages)
     else:
-        cache_k = int8_kv.write(cache_k, (at, slice(None), positions), k)
-    cache_v = int8_kv.write(cache_v, (at, slice(None), positions), v)
-    q = q.reshape(*q.shape[:2], c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim)  # [b, t, kv, g, hd]
-    out = ops.attention(q, cache_k, cache_v, positions, rows)
+        at = (jnp.arange(x.shape[0]) if rows is None else rows)[:, None]
+        if ops.cache_layout.transposed_keys:
+            cache_k = cache_k.at[at, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
+        else:
+            cache_k = int8_kv.write(cache_k, (at, slice(None), positions), k)
+        cache_v = int8_kv.write(cache_v, (at, slice(None), positions), v)
+        out = ops.attention(q, cache_k, cache_v, positions, rows)
     out = out.reshape(*out.shape[:2], c.n_heads, c.head_dim)  # [b, t, heads, head_dim]
     return ops.linear(out, p["wo"], in_dims=2), cache_k, cache_v
 
@@ -123,12 +128,11 @@ def mlp(p, x, ops: Ops = XLA):
 
 
 @functools.partial(jax.jit, static_argnums=(1, 8))
-def block(p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None, ops: Ops = XLA):
+def block(p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None, ops: Ops = XLA, pages=None):
     """One decoder layer. Jitted on its own so that tracing a model traces one layer, not n_layers of
     them (the outer jit inlines it: the compiled program is the same)."""
-    h, cache_k, cache_v = attention(
-        p["attention"], c, rms_norm(p["attention_norm"], x, c.norm_eps), positions, rope, cache_k, cache_v, rows, ops
-    )
+    normed = rms_norm(p["attention_norm"], x, c.norm_eps)
+    h, cache_k, cache_v = attention(p["attention"], c, normed, positions, rope, cache_k, cache_v, rows, ops, pages)
     x = split_tokens(x + h)
     x = split_tokens(x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, c.norm_eps), ops))
     return x, cache_k, cache_v
@@ -166,13 +170,16 @@ def embed(params, tokens):
     return jnp.take(w, tokens, axis=0)
 
 
-def layers(layer_params: list, c: ModelConfig, x, positions, cache: KVCache, rows=None, rope=None, ops: Ops = XLA):
+def layers(
+    layer_params: list, c: ModelConfig, x, positions, cache: KVCache, rows=None, rope=None, ops: Ops = XLA, pages=None
+):
     """Consecutive decoder layers (their params and caches in order): x -> (x, cache). The engine runs a
     model as a few of these programs in turn (see `engine/step.py`); `rope`: the positions' `rope_angles`, if
-    computed already; `ops`: the backend's operations (their params prepared by `ops.prepare`)."""
+    computed already; `ops`: the backend's operations (their params prepared by `ops.prepare`); `pages`: the rows'
+    page table, where the cache is paged (`attention`)."""
     new_cache, rope = [], rope_angles(positions, c) if rope is None else rope
     for p, (k, v) in zip(layer_params, cache, strict=True):
-        x, k, v = block(p, c, x, positions, rope, k, v, rows, ops)
+        x, k, v = block(p, c, x, positions, rope, k, v, rows, ops, pages)
         new_cache.append((k, v))
     return x, new_cache
 
@@ -193,9 +200,11 @@ def layer_params(params, c: ModelConfig, start: int = 0, stop: int | None = None
     return [params[f"layers_{i}"] for i in range(start, c.n_layers if stop is None else stop)]
 
 
-def llama(params, c: ModelConfig, tokens, positions, cache: KVCache, logits_at=None, rows=None, ops: Ops = XLA):
-    """tokens [b, t], positions [b, t], cache -> (logits float32, cache); see `Llama`."""
-    x, cache = layers(layer_params(params, c), c, embed(params, tokens), positions, cache, rows, ops=ops)
+def llama(
+    params, c: ModelConfig, tokens, positions, cache: KVCache, logits_at=None, rows=None, ops: Ops = XLA, pages=None
+):
+    """tokens [b, t], positions [b, t], cache -> (logits float32, cache); see `forward`."""
+    x, cache = layers(layer_params(params, c), c, embed(params, tokens), positions, cache, rows, ops=ops, pages=pages)
     return head(params, c, x, logits_at, ops), cache
 
 
@@ -242,11 +251,22 @@ def empty_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.float32,
     return [(int8_kv.zeros(k, dtype), int8_kv.zeros(v, dtype)) for _ in range(config.n_layers)]
 
 
-def forward(params, config: ModelConfig, tokens, positions, cache: KVCache, logits_at=None, rows=None, ops: Ops = XLA):
+def forward(
+    params,
+    config: ModelConfig,
+    tokens,
+    positions,
+    cache: KVCache,
+    logits_at=None,
+    rows=None,
+    ops: Ops = XLA,
+    pages=None,
+):
     """The pure forward function: usable inside a caller's own `jax.jit`. `rows` [b] (optional): the cache
     row each batch row reads and writes, when the cache holds more rows than the batch (see `attention`). `ops`: the
-    operations params were prepared for (`Ops.prepare`)."""
-    return llama(params, config, tokens, positions, cache, logits_at, rows, ops)
+    operations params were prepared for (`Ops.prepare`). `pages` [b, n] (optional): the cache is a pool of pages
+    (`core/paged_kv.py`) and these are the rows' page tables."""
+    return llama(params, config, tokens, positions, cache, logits_at, rows, ops, pages)
 
 
 def sequence_logits(params, config: ModelConfig, tokens: jax.Array, ops: Ops = XLA) -> jax.Array:

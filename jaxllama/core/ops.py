@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllama.core import int8_kv, int8_weights
+from jaxllama.core import int8_kv, int8_weights, paged_kv
 from jaxllama.core.blocks import Blocks, dequantize
 from jaxllama.core.cache_layout import POSITIONS_MAJOR, CacheLayout
 from jaxllama.core.int8_weights import Int8
@@ -120,6 +120,16 @@ class Ops:
             # (With mode="clip", a single row becomes a slice fused with the write, and XLA copies the cache.)
             take = lambda c: jax.tree.map(lambda x: jnp.take(x, rows, axis=0, mode="fill", fill_value=0), c)
             keys, values = take(cache_k), take(cache_v)
+        return self._blocked(q, keys, values, positions)
+
+    def paged_attention(self, q, pool_k, pool_v, positions, table) -> jax.Array:
+        """`attention` over a paged cache (`core/paged_kv.py`): pool_k and pool_v [kv, pages, page_size, hd], table
+        [b, n] each row's pages. XLA's reads each row's n pages as one sequence (a gather) and attends over it; an
+        accelerator's kernel reads only the pages a row has filled."""
+        return self._blocked(q, paged_kv.gather(pool_k, table), paged_kv.gather(pool_v, table), positions)
+
+    def _blocked(self, q, keys, values, positions) -> jax.Array:
+        """q [b, t, kv, g, hd] against its own row of keys and values [b, kv, s, hd], a block of queries at a time."""
         b, t = q.shape[:2]
         block = QUERY_BLOCK
         while t % block:

@@ -31,6 +31,7 @@ RULES: dict[str, str | None] = {
     "mlp": "model",
     "norm": None,
     "cache_seq": None,
+    "cache_pages": None,
 }
 
 # Dimensions replicated (rather than refused) when the model axis does not divide them.

@@ -249,7 +249,7 @@ def compile_engine(
     *,
     target: str,
     mesh: str | dict | None = None,
-    max_slots: int = 64,
+    max_slots: int = buckets.DEFAULT_SLOTS,
     max_context: int | None = None,
     kv_cache_dtype: str | None = None,
     prefills: Sequence[tuple[int, int]] | None = None,
@@ -295,9 +295,12 @@ def compile_engine(
         phases[name] = programs.calls[first:]
 
     context = where.context
-    before = max(buckets.MIN_BUCKET, _previous_bucket(context))
-    device.cache = kvcache.abstract(config, where.mesh, device.slots, before, cache_dtype, device.layout)
-    phase("cache growth", lambda: device.resize(context))
+    if device.pages:  # a pool allocated once: every slot given a full context's pages
+        device.make_room(0, dict.fromkeys(range(device.slots), context))
+    else:
+        before = max(buckets.MIN_BUCKET, _previous_bucket(context))
+        device.cache = kvcache.abstract(config, where.mesh, device.slots, before, cache_dtype, device.layout)
+        phase("cache growth", lambda: device.resize(context))
     phase("decode step", lambda: device.generate(list(range(device.slots)), [SamplingParams()]))
     if prefills is None:
         prefills = [(1, context - 1), (min(8, device.slots), min(512, context - 1))]
@@ -316,7 +319,9 @@ def compile_engine(
             reports.append(report)
             by_program[(name, id(compiled))] = report
     temporaries = max(p.temp_bytes + p.code_bytes for p in reports)
-    fp = memory.footprint(config, where.mesh, device.slots, context, cache_dtype, temporaries, ops=engine.ops)
+    fp = memory.footprint(
+        config, where.mesh, device.slots, context, cache_dtype, temporaries, ops=engine.ops, grows=not device.pages
+    )
     data, model = where.mesh.shape["data"], where.mesh.shape["model"]
     kv_bytes = kvcache.bytes_per_layer(own, device.slots, context, cache_dtype, device.layout) * own.n_layers
     weights = memory.per_device_bytes(engine.ops.prepare_abstract(as_blocks(abstract_stored(own), own), own))

@@ -4,7 +4,12 @@ and the compiled programs that advance them. A narrow interface in the spirit of
 - `prefill(rows)`: compute prompts (or the part of them past a prefix another slot holds), insert them into decode
   slots and sample their first tokens;
 - `generate(columns)`: advance the given slots by `decode_steps` tokens;
-- `resize(length)`: the cache's length, in positions.
+- `make_room(needed, lengths)`: a cache that holds what the next call writes.
+
+The cache is either contiguous, a row of positions per slot that grows and shrinks by buckets (`kvcache.py`), or
+paged (`page_size`): one pool of pages, allocated once at its full size, and a page table per slot
+(`engine/pages.py`), where a prompt that starts with another slot's sequence reads that slot's pages instead of a
+copy of them.
 
 Typed batches in, tokens and a per-row finish code out (`step.FINISH`); which request runs where, and why, is the
 scheduler's business (`scheduler.py`). Multi-host: host inputs become global arrays and the small outputs are
@@ -35,6 +40,7 @@ from jaxllama.core.ops import Ops
 from jaxllama.core.sharding import named_sharding
 from jaxllama.engine import buckets, kvcache, step
 from jaxllama.engine.interface import PrefillRow, PromptLogprobs, Sampled
+from jaxllama.engine.pages import PageTable
 from jaxllama.engine.programs import Programs
 from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import agreed_seed
@@ -68,6 +74,7 @@ class Device:
         stats: EngineStats,
         donate_params: bool = False,
         abstract: bool = False,
+        page_size: int = 0,
     ):
         if len(eos_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} end-of-generation ids, got {len(eos_ids)}")
@@ -79,6 +86,14 @@ class Device:
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._activations = NamedSharding(mesh, PartitionSpec("data"))  # [batch, ...], batch over `data`
         self.layout = ops.cache_layout
+        self.pages = None
+        if page_size:
+            if self.layout.transposed_keys:
+                raise ValueError("a paged KV cache is XLA's (a TPU, a GPU or a CPU without the CPU kernels)")
+            if mesh.shape["data"] != 1:
+                raise ValueError(f"a paged KV cache needs a mesh of data=1, not {mesh.shape['data']}")
+            self.layout = dataclasses.replace(self.layout, page_size=page_size)
+            self.pages = PageTable(slots, max_context, page_size)
         kvcache.check_layout(cache_dtype, self.layout)
         # one layer's (keys, values)
         self._cache_sharding = kvcache.cache_sharding(config, mesh, self.layout, cache_dtype)
@@ -105,7 +120,8 @@ class Device:
         self._state = None
         # In one process the cache is allocated on a thread: the first touch of its pages (on a CPU, ~1 s a GB) then
         # overlaps the host's work up to the first prefill, which loads its programs meanwhile.
-        shape = (config, mesh, slots, buckets.bucket(min_cache, max_context), cache_dtype, self.layout)
+        length = max_context if self.pages else buckets.bucket(min_cache, max_context)  # a pool is never resized
+        shape = (config, mesh, slots, length, cache_dtype, self.layout)
         self._allocate = functools.partial(kvcache.allocate, *shape)
         self._cache, self._allocating = None, None
         if abstract:
@@ -128,7 +144,27 @@ class Device:
 
     @property
     def cache_length(self) -> int:
+        """The positions a slot's row of a contiguous cache holds now."""
         return kvcache.length(self.cache)
+
+    @property
+    def reuse_multiple(self) -> int:
+        """A prompt reuses a prefix another slot holds in multiples of this many positions (whole pages)."""
+        return self.pages.page_size if self.pages else 1
+
+    def make_room(self, needed: int, lengths: dict[int, int]) -> int:
+        """Make the cache hold each slot's positions [0, lengths[slot]) and a prefill's rows' `needed` positions
+        (a paged cache gives those their pages as the prefill assigns them). A contiguous cache grows to the bucket
+        of the longest, or shrinks to it when far shorter. Returns the positions every slot still holds: what a
+        slot held past them is gone."""
+        if self.pages:
+            for slot, length in lengths.items():
+                self.pages.reserve(slot, length)
+            return self.max_context
+        target = buckets.bucket(max(needed, *lengths.values(), 0), self.max_context)
+        if target > self.cache_length or target <= self.cache_length // 4:
+            self.resize(target)
+        return self.cache_length
 
     @property
     def state(self) -> step.DecodeState:
@@ -160,7 +196,13 @@ class Device:
         inputs = self._put(batch.arrays)
         fn = functools.partial(step.prefill_inputs, config=self.config)
         x, positions, rope = self._call("prefill_inputs", fn, (self._outer, inputs["tokens"], inputs["starts"]))
-        x = self._prefill_layers(x, positions, rope, inputs["sources"], inputs["slots"], batch.span, batch.fresh)
+        if self.pages:
+            self.pages.assign([(r.slot, r.source, r.start, r.start + len(r.tokens)) for r in rows])
+            slots = batch.arrays["slots"]
+            table = self._put(self.pages.table(slots, -(-batch.span // self.pages.page_size)))
+            x = self._paged_layers("prefill_layers", x, positions, rope, table)
+        else:
+            x = self._prefill_layers(x, positions, rope, inputs["sources"], inputs["slots"], batch.span, batch.fresh)
         prompt = self._prompt_logprobs(x, inputs["tokens"], rows) if batch.prompt_logprobs else None
         if not sample:
             if self.abstract:
@@ -200,13 +242,20 @@ class Device:
         keep[list(cancelled)] = False
         every = len(columns) == self.slots
         slots, keep, kept = self._put((None if every else np.array(columns, np.int32), keep, np.ones(self.slots, bool)))
+        if self.pages:  # each column's pages, as many as the longest sequence's bucket of positions
+            longest = max(self.pages.positions(c) for c in columns if c < self.slots)
+            width = -(-buckets.bucket(longest, self.max_context) // self.pages.page_size)
+            table = self._put(self.pages.table(columns, width))
         inputs_fn = functools.partial(step.decode_inputs, config=self.config)
         layers_fn = functools.partial(step.decode_layers, config=self.config, ops=self.ops)
         outputs_fn = functools.partial(step.decode_outputs, config=self.config, flags=flags, ops=self.ops)
         steps = []
         for _ in range(1 if masks else self.decode_steps):  # no host round trip between steps
             x, positions, rope = self._call("decode_inputs", inputs_fn, (self._outer, self.state, slots))
-            x = self._decode_layers(layers_fn, x, positions, rope, slots)
+            if self.pages:
+                x = self._paged_layers("decode_layers", x, positions, rope, table)
+            else:
+                x = self._decode_layers(layers_fn, x, positions, rope, slots)
             mask = None
             if masks is not None:  # computed on the host while the layers run (dispatch is asynchronous)
                 mask = self._put(_padded_masks(masks(), np.full((len(columns), self.mask_words), -1, np.int32)))
@@ -250,6 +299,16 @@ class Device:
             args = (params, x, positions, rope, self.cache[a:b], slots)
             out = (self._activations, [self._cache_sharding] * (b - a))
             x, self.cache[a:b] = self._call("decode_layers", fn, args, donate=4, out=out)
+        return x
+
+    def _paged_layers(self, kind: str, x, positions, rope, table):
+        """Every layer of a prefill or decode step over a paged cache, one program call per run of layers: row i of
+        x reads and writes the pages of row i of `table`."""
+        fn = functools.partial(step.paged_layers, config=self.config, ops=self.ops)
+        for (a, b), params in zip(self._runs, self._run_params, strict=True):
+            out = (self._activations, [self._cache_sharding] * (b - a))
+            args = (params, x, positions, rope, self.cache[a:b], table)
+            x, self.cache[a:b] = self._call(kind, fn, args, "paged", donate=4, out=out)
         return x
 
     def _prefill_layers(self, x, positions, rope, sources, slots, span: int, fresh: bool):

@@ -26,6 +26,9 @@ from jaxllama.engine.stats import EngineStats
 
 # Decoder layers per compiled program (`step.py`): SmolLM2's 30 layers run as 6 calls of one program.
 LAYERS_PER_PROGRAM = 5
+# Positions per page of a paged KV cache (`core/paged_kv.py`): a TPU's bfloat16 tile is [16, 128], and pages of a
+# few such tiles make whole DMA transfers for the paged attention kernels; a prefix is shared a page at a time.
+PAGE_SIZE = 64
 
 
 def check_options(quantize: str | None = None, kv_cache_dtype: str | None = None) -> None:
@@ -45,7 +48,9 @@ class Engine(Scheduler):
     engine may free the given weights that preparing replaced (the caller will not use them again). `ops`: the
     backend, where the caller chose it already (`backends.choose`; `cpu_kernels` and `quantize` then say nothing).
     `abstract`: `params` are ShapeDtypeStructs with shardings and the engine only compiles its programs for the mesh's
-    devices, which may be unable to run them (`engine/aot.py`)."""
+    devices, which may be unable to run them (`engine/aot.py`). `page_size`: the KV cache's positions per page, 0 for
+    a contiguous cache; by default paged (`PAGE_SIZE`) on a TPU or GPU mesh of data=1, contiguous elsewhere (the
+    CPU kernels read contiguous rows)."""
 
     def __init__(
         self,
@@ -65,6 +70,7 @@ class Engine(Scheduler):
         donate_params: bool = False,
         ops: Ops | None = None,
         abstract: bool = False,
+        page_size: int | None = None,
     ):
         check_options(quantize, kv_cache_dtype)
         if not isinstance(layers_per_program, int) or layers_per_program < 1:
@@ -76,6 +82,9 @@ class Engine(Scheduler):
         self.ops = ops or backends.choose(mesh, dtype, kernel_dir(), cpu_kernels=cpu_kernels, quantize=quantize)
         stats.compile_s += time.perf_counter() - start
         data = mesh.shape["data"]
+        if page_size is None:
+            accelerator = mesh.devices.flat[0].platform != "cpu"
+            page_size = PAGE_SIZE if accelerator and data == 1 and not self.ops.cache_layout.transposed_keys else 0
         device = Device(
             config,
             params,
@@ -91,6 +100,7 @@ class Engine(Scheduler):
             stats=stats,
             donate_params=donate_params,
             abstract=abstract,
+            page_size=page_size,
         )
         super().__init__(device, stats)
         self.params = device.params

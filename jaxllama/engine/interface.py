@@ -79,10 +79,11 @@ class DeviceInterface(Protocol):
     eos_ids: tuple[int, ...]
     max_stop_ids: int  # end-of-generation ids a slot holds, the model's and a request's own
     row_multiple: int  # a call's row count is a multiple of this (the mesh's data axis)
-    cache_length: int  # positions the KV cache holds now
+    reuse_multiple: int  # a prompt reuses another slot's prefix in multiples of this many positions
 
-    def resize(self, length: int) -> None:
-        """Give the KV cache `length` positions (truncating or zero-padding every slot's)."""
+    def make_room(self, needed: int, lengths: dict[int, int]) -> int:
+        """Make the KV cache hold a prefill's rows' `needed` positions and each slot's first `lengths[slot]`;
+        return the positions every slot still holds (what a slot held past them is gone)."""
 
     def prefill(
         self, rows: Sequence[PrefillRow], sample: bool = True, masks: Callable[[], np.ndarray] | None = None

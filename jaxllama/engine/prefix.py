@@ -33,9 +33,11 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 class ResidentPrefixes:
     """Per slot: the token ids whose keys/values sit at positions 0.. of that slot's cache, and the
-    log-probabilities known of its tokens 1, 2, ... (a `PromptLogprobs`, or None)."""
+    log-probabilities known of its tokens 1, 2, ... (a `PromptLogprobs`, or None). A prefix is reused in multiples
+    of `multiple` tokens (a paged cache shares whole pages: `engine/pages.py`)."""
 
-    def __init__(self, slots: int):
+    def __init__(self, slots: int, multiple: int = 1):
+        self.multiple = multiple
         self.tokens = [np.zeros(0, np.int32) for _ in range(slots)]
         self.logprobs: list[PromptLogprobs | None] = [None] * slots
 
@@ -57,7 +59,7 @@ class ResidentPrefixes:
         (the last prompt token is always computed: it gives the first token's logits); with `logprobs`, such that
         the slot also knows the log-probability of the prompt's token n (that of the same token after the same
         tokens: n + 1 tokens in common), so that the prompt's own come from it up to token n and from the prefill
-        after; (None, 0) if no slot holds at least MIN_REUSE tokens of it."""
+        after; n a multiple of `multiple`; (None, 0) if no slot holds at least MIN_REUSE tokens of it."""
         p = np.asarray(prompt, np.int32)
         best_slot, best_n = None, MIN_REUSE - 1
         for slot, held in enumerate(self.tokens):
@@ -67,6 +69,7 @@ class ResidentPrefixes:
             if slot in exclude or len(held) <= best_n:
                 continue
             n = min(common_prefix(p, held) - logprobs, len(prompt) - 1)
+            n -= n % self.multiple
             if n > best_n:
                 best_slot, best_n = slot, n
         return (best_slot, best_n) if best_slot is not None else (None, 0)

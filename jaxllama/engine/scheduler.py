@@ -50,15 +50,16 @@ class Scheduler:
         self.stats = stats or EngineStats()
         self.queue: collections.deque[Request] = collections.deque()
         self.active: dict[int, _Slot] = {}  # slot -> the request running there
-        self.prefixes = ResidentPrefixes(self.slots)
+        self.prefixes = ResidentPrefixes(self.slots, device.reuse_multiple)
+        self._kept = device.max_context  # the positions the slots' caches keep (`_make_room`)
         self.ending: dict[int, tuple[FinishReason, str | None]] = {}  # slot -> why `finish` ends it
         self._stopping: set[int] = set()  # slots the device still runs for requests that ended
 
     # ---- public API -------------------------------------------------------------------------------
 
     def check(self, request: Request) -> None:
-        """Raise a RequestError if the request can never run (the caller reports it for that request alone)."""
-        request.params.validate()
+        """Raise a RequestError if the request can never run (the caller reports it for that request alone; its
+        `SamplingParams` checked themselves when made)."""
         n, vocab = len(request.prompt), self.device.vocab_size
         if n == 0:
             raise InvalidRequest("prompt is empty", "prompt")
@@ -195,7 +196,7 @@ class Scheduler:
     def _prefill(self, rows: list[PrefillRow], sample: bool = True) -> list[Update]:
         """Compute the rows and start them decoding; without `sample`, only fill the caches (a shared prefix)."""
         q = buckets.prompt_bucket(max(len(r.tokens) for r in rows), self.max_context)
-        self._ensure_cache(max(r.start + q for r in rows))
+        self._make_room(max(r.start + q for r in rows))
         compiling, start = self.stats.compile_s, time.perf_counter()
         masks = self._masks([r.request.constraint for r in rows]) if sample else None
         out = self.device.prefill(rows, sample, masks) if masks else self.device.prefill(rows, sample)
@@ -235,8 +236,7 @@ class Scheduler:
     # ---- decoding ---------------------------------------------------------------------------------
 
     def _decode(self) -> list[Update]:
-        n_steps = self.device.decode_steps
-        self._ensure_cache(max(s.length + s.generated for s in self.active.values()) + n_steps)
+        self._make_room(0)
         columns = self._decode_columns()
         cancelled, self._stopping = sorted(self._stopping), set()
         compiling, start = self.stats.compile_s, time.perf_counter()
@@ -316,18 +316,17 @@ class Scheduler:
                 return active + [self.slots] * (size - len(active))
         return list(range(self.slots))
 
-    def _ensure_cache(self, needed: int) -> None:
-        """Grow the cache to hold `needed` positions (and every active sequence's next steps), or shrink it
-        when far more than that."""
-        for s in self.active.values():
-            needed = max(needed, s.length + s.generated + self.device.decode_steps)
-        current = self.device.cache_length
-        target = buckets.bucket(needed, self.max_context)
-        if target > current or target <= current // 4:
-            start = time.perf_counter()
-            self.device.resize(target)
-            self.prefixes.truncate(target)
-            self.stats.decode_s += time.perf_counter() - start
+    def _make_room(self, needed: int) -> None:
+        """The cache holds `needed` positions for the rows about to be computed and every active sequence's next
+        decode call; what the slots held past what it keeps is forgotten."""
+        steps = self.device.decode_steps
+        lengths = {slot: s.length + s.generated + steps for slot, s in self.active.items()}
+        start = time.perf_counter()
+        kept = self.device.make_room(needed, lengths)
+        if kept < self._kept:
+            self.prefixes.truncate(kept)
+        self._kept = kept
+        self.stats.decode_s += time.perf_counter() - start
 
     def _masks(self, constraints: list[TokenConstraint | None]) -> Callable[[], np.ndarray] | None:
         """The function that gives each row's token bitmask (its constraint's; every token where it has none), or

@@ -98,6 +98,13 @@ def decode_layers(layer_params, x, positions, rope, cache: KVCache, slots=None, 
     return layers(layer_params, config, x, positions, cache, rows=slots, rope=rope, ops=ops)
 
 
+def paged_layers(layer_params, x, positions, rope, cache: KVCache, pages, *, config: ModelConfig, ops: Ops = XLA):
+    """Some consecutive layers of a prefill or a decode step over a paged cache (`core/paged_kv.py`): row i of x
+    reads and writes the pages pages[i] names. The pool never changes shape, so a prefill's programs are compiled per
+    rows x tokens x pages read, as a decode step's per rows x pages read."""
+    return layers(layer_params, config, x, positions, cache, rope=rope, ops=ops, pages=pages)
+
+
 def decode_outputs(
     params,
     state: DecodeState,

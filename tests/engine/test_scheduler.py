@@ -21,14 +21,14 @@ class ScriptedDevice:
     max_tokens are spent. Records every call."""
 
     slots, max_context, decode_steps, vocab_size = 3, 64, 1, 100
-    eos_ids, max_stop_ids, row_multiple, cache_length = (EOS,), 32, 1, 128
+    eos_ids, max_stop_ids, row_multiple, reuse_multiple = (EOS,), 32, 1, 1
 
     def __init__(self):
         self.rows: dict[int, list[int]] = {}  # slot -> [next token, tokens left]
         self.calls: list[tuple] = []
 
-    def resize(self, length):
-        self.cache_length = length
+    def make_room(self, needed, lengths):
+        return self.max_context
 
     def prefill(self, rows, sample=True):
         self.calls.append(("prefill", [r.slot for r in rows], sample))

@@ -1,0 +1,146 @@
+"""The paged KV cache (`core/paged_kv.py`, `engine/pages.py`): a model run through pages scattered over a pool gives
+the logits a contiguous cache gives, prompt then decode steps, with rows sharing a prefix's pages; entries past the
+pool write nothing. The page table shares whole pages and frees what no slot holds; the engine over pages decodes as
+the full forward does, reads a reused prefix from the pages that hold it and gives n samples one prompt's pages."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllama.core import int8_kv, paged_kv
+from jaxllama.core.model import empty_cache, forward
+from jaxllama.core.sharding import make_mesh
+from jaxllama.engine.engine import Engine
+from jaxllama.engine.pages import PageTable
+from jaxllama.engine.request import Request, SamplingParams
+from tests.engine.test_engine import EOS, greedy_requests, reference_greedy, run
+from tests.engine.test_prefix import _greedy, _logprobs
+
+
+def _pool(config, pages, page_size, dtype=jnp.float32):
+    shape = paged_kv.shape(config, pages, page_size)
+    return [(int8_kv.zeros(shape, dtype), int8_kv.zeros(shape, dtype)) for _ in range(config.n_layers)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_pages_anywhere_in_the_pool_give_a_contiguous_caches_logits(tiny, dtype):
+    config, params = tiny
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 19)), jnp.int32)
+    page_size, pages = 4, 16
+    # Each row's 5 pages in scattered order; the sixth entry is a page not given out (past the pool).
+    table = jnp.asarray([[9, 2, 14, 5, 0, pages], [3, 11, 7, 1, 12, pages]], jnp.int32)
+    cache_dtype = jnp.int8 if dtype == "int8" else jnp.float32
+    contiguous, pool = empty_cache(config, 2, 24, cache_dtype), _pool(config, pages, page_size, cache_dtype)
+    # A prompt of 15 tokens, then 4 decode steps, one token per row each.
+    prompt = jnp.broadcast_to(jnp.arange(15), (2, 15))
+    want, contiguous = forward(params, config, tokens[:, :15], prompt, contiguous)
+    got, pool = forward(params, config, tokens[:, :15], prompt, pool, pages=table)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    for p in range(15, 19):
+        position = jnp.full((2, 1), p)
+        want, contiguous = forward(params, config, tokens[:, p : p + 1], position, contiguous)
+        got, pool = forward(params, config, tokens[:, p : p + 1], position, pool, pages=table)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    untouched = [i for i in range(pages) if i not in np.asarray(table)]
+    k = int8_kv.split(pool[0][0])[0]
+    assert not np.asarray(k[:, untouched]).any()
+
+
+def test_a_row_reads_a_prefix_from_anothers_pages(tiny):
+    """Row 1 shares row 0's first two pages (8 tokens) and computes only its own rest into its own pages."""
+    config, params = tiny
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, config.vocab_size, 8)
+    a = np.concatenate([prefix, rng.integers(0, config.vocab_size, 5)])
+    b = np.concatenate([prefix, rng.integers(0, config.vocab_size, 6)])
+    pool = _pool(config, 12, 4)
+    first = jnp.asarray([[0, 1, 2, 3]], jnp.int32)
+    _, pool = forward(params, config, jnp.asarray(a)[None], jnp.arange(13)[None], pool, pages=first)
+    second = jnp.asarray([[0, 1, 5, 6]], jnp.int32)
+    got, _ = forward(params, config, jnp.asarray(b[8:])[None], jnp.arange(8, 14)[None], pool, pages=second)
+    want, _ = forward(params, config, jnp.asarray(b)[None], jnp.arange(14)[None], empty_cache(config, 1, 14))
+    np.testing.assert_allclose(got, want[:, 8:], atol=2e-5, rtol=2e-5)
+
+
+# ---- the page table and the engine over a paged cache --------------------------------------------------------
+
+
+def test_the_page_table_shares_whole_pages_and_frees_what_no_slot_holds():
+    table = PageTable(slots=3, max_context=32, page_size=8)  # 4 pages a slot, 12 in the pool
+    table.assign([(0, 0, 0, 20)])
+    assert table.held[0] == [0, 1, 2] and table.free == 9
+    table.assign([(1, 0, 16, 25)])  # slot 0's first two pages, then its own
+    assert table.held[1][:2] == [0, 1] and len(table.held[1]) == 4 and table.free == 7
+    # Slot 0 refilled from its own first page while slot 2 takes slot 0's old prefix, in one call: slot 2 gets
+    # the pages slot 0 held before the call.
+    table.assign([(0, 0, 8, 9), (2, 0, 16, 16)])
+    assert table.held[2] == [0, 1] and table.held[0][0] == 0
+    assert table.held[0][1] not in table.held[1] + table.held[2]  # its own page: one no other slot holds
+    table.release(1)
+    table.release(2)
+    table.release(0)
+    assert table.free == 12
+    with pytest.raises(ValueError, match="whole number"):
+        table.assign([(1, 0, 4, 10)])
+    np.testing.assert_array_equal(table.table([0, 3], 2), [[12, 12], [12, 12]])  # no pages: entries past the pool
+
+
+@pytest.fixture(scope="module")
+def expected(tiny):
+    config, params = tiny
+    return {r.id: reference_greedy(config, params, r.prompt, r.params.max_tokens) for r in greedy_requests()}
+
+
+def _paged(tiny, page_size=8, **kw):
+    config, params = tiny
+    mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
+    return Engine(config, params, mesh, eos_ids=[EOS], cpu_kernels=False, page_size=page_size, **kw)
+
+
+def test_the_engine_over_pages_decodes_as_the_full_forward_with_refilled_slots(tiny, expected):
+    engine = _paged(tiny, max_slots=4, layers_per_program=2)
+    assert engine.device.pages is not None and engine.device.cache[0][0].shape[1] == 4 * 128 // 8
+    tokens, _ = run(engine, greedy_requests())
+    assert tokens == expected
+    # every slot still holds its sequence's pages (for prefixes); nothing else is held
+    held = {p for pages in engine.device.pages.held for p in pages}
+    assert engine.device.pages.free == engine.device.pages.pages - len(held)
+
+
+@pytest.mark.parametrize("dtype", [None, "int8"])
+def test_a_prefix_is_read_from_the_pages_that_hold_it(tiny, dtype):
+    rng = np.random.default_rng(6)
+    first = rng.integers(3, 131, 30).tolist()
+    second = first + rng.integers(3, 131, 9).tolist()
+    fresh = _logprobs(_paged(tiny, max_slots=4, kv_cache_dtype=dtype), _greedy("b", second))
+    engine = _paged(tiny, max_slots=4, kv_cache_dtype=dtype)
+    _logprobs(engine, _greedy("a", first, 4))
+    source, start = engine.prefixes.best(second)
+    assert start == 24  # the 30 shared tokens' whole pages
+    pages = engine.device.pages
+    engine.add(_greedy("long", first, 40))  # its slot busy: "b" takes another slot, and the prefix's pages
+    engine.step()
+    busy = next(s for s in range(4) if s in engine.active)
+    updates = list(engine.generate([_greedy("b", second)]))
+    assert [u.cached_tokens for u in updates if u.finish_reason and u.id == "b"] == [24]
+    slot = next(s for s in range(4) if s not in (busy, source) and pages.held[s])
+    assert pages.held[slot][:3] == pages.held[busy][:3]  # shared, not copied
+    distinct = set().union(*map(set, pages.held))
+    assert pages.free == pages.pages - len(distinct) and sum(map(len, pages.held)) - len(distinct) >= 3
+    np.testing.assert_allclose([lp for u in updates if u.id == "b" for lp in u.logprobs], fresh, rtol=1e-5)
+
+
+def test_samples_of_one_prompt_share_its_pages(tiny):
+    """Requests with one prompt admitted together (a request's n samples): its prefix is computed once, into pages
+    that every sample's slot then holds."""
+    engine = _paged(tiny, max_slots=4)
+    prompt = np.random.default_rng(2).integers(3, 131, 40).tolist()
+    samples = [Request(i, prompt, SamplingParams(max_tokens=3, temperature=0.8, seed=i)) for i in range(3)]
+    _, finals = run(engine, samples)
+    assert sorted(u.cached_tokens for u in finals.values())[-2:] == [32, 32]
+    prompts = [held[:4] for held in engine.device.pages.held if held]
+    assert len(prompts) >= 3 and sum(p == prompts[0] for p in prompts) >= 3
