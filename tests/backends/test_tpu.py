@@ -1,0 +1,77 @@
+"""The TPU backend (`backends/tpu.py`): jax's Pallas paged-attention kernel, run here in Pallas's TPU interpret mode,
+gives XLA's attention over the same pages (to the kernel's own rounding), alone and split over a mesh's `model`
+axis; compiled for a TPU slice, a decode step runs it where a head is 128 wide, and XLA's attention where not."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxllama.backends.tpu import TpuOps
+from jaxllama.core.config import ModelConfig
+from jaxllama.core.ops import Ops
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="compiling for a TPU topology needs libtpu: pip install -e '.[tpu]' (the test extra installs it on Linux)",
+)
+
+
+def _case(kv=2, g=4, hd=128, page_size=16, pages=12):
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(3, 1, kv, g, hd)), jnp.float32)
+    pool_k, pool_v = (jnp.asarray(rng.normal(size=(kv, pages, page_size, hd)), jnp.float32) for _ in range(2))
+    # ragged rows: 41, 21 and 64 positions, through scattered pages; `pages` marks a page not given out
+    table = jnp.asarray([[3, 7, 1, pages], [0, 2, pages, pages], [5, 4, 6, 8]], jnp.int32)
+    positions = jnp.asarray([[40], [20], [63]], jnp.int32)
+    return q, pool_k, pool_v, positions, table
+
+
+def test_the_pallas_kernel_gives_xlas_attention_over_the_same_pages():
+    args = _case()
+    want = Ops(float32_products=True).paged_attention(*args)
+    with pltpu.force_tpu_interpret_mode():
+        got = TpuOps().paged_attention(*args)
+    # the kernel's products round their operands as a TPU's default precision does (bfloat16 passes)
+    np.testing.assert_allclose(got, want, atol=1e-2)
+    assert "pallas_call" in str(jax.make_jaxpr(TpuOps().paged_attention)(*args))
+    prompt = (jnp.concatenate([args[0]] * 2, axis=1), *args[1:3], jnp.concatenate([args[3] - 1, args[3]], 1), args[4])
+    assert "pallas_call" not in str(jax.make_jaxpr(TpuOps().paged_attention)(*prompt))  # many queries: XLA's
+
+
+def test_split_over_the_model_axis_each_device_attends_with_its_own_heads():
+    if len(jax.devices()) < 2:
+        pytest.skip("needs two CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
+    q, pool_k, pool_v, positions, table = _case(kv=2)
+    want = Ops(float32_products=True).paged_attention(q, pool_k, pool_v, positions, table)
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+    heads = NamedSharding(mesh, PartitionSpec(None, None, "model"))
+    pools = NamedSharding(mesh, PartitionSpec("model"))
+    q, pool_k, pool_v = jax.device_put(q, heads), jax.device_put(pool_k, pools), jax.device_put(pool_v, pools)
+    with jax.set_mesh(mesh), pltpu.force_tpu_interpret_mode():
+        got = jax.jit(TpuOps().paged_attention)(q, pool_k, pool_v, positions, table)
+    np.testing.assert_allclose(got, want, atol=1e-2)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("dim, kernel", [(512, True), (128, False)])  # heads of 128 and of 32
+def test_a_decode_step_compiled_for_a_tpu_slice_runs_the_kernel_where_it_can(dim, kernel):
+    from jaxllama.engine import aot
+
+    config = ModelConfig(
+        vocab_size=512, dim=dim, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, max_seq_len=512, dtype="bfloat16"
+    )
+    devices = aot.target_devices("v5e:2x2")[0]
+    report = aot.compile_engine(
+        config, devices, target="v5e:2x2", mesh="data=1,model=4", max_slots=8, max_context=512, prefills=[(2, 100)]
+    )
+    assert report.fits and report.footprint.growth == 0  # a paged cache: allocated once, never grown
+    assert "cache growth" not in {p.phase for p in report.programs}
+    decode = next(p for p in report.programs if p.kind == "decode_layers")
+    assert ("tpu_custom_call" in decode.hlo_text) == kernel
