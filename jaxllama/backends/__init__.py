@@ -2,8 +2,8 @@
 
 XLA's operations (`core/ops.py`) are the reference and run everywhere: GPU, TPU, a mesh of CPU devices. On one CPU
 device with float32, bfloat16 or block weights, the hand-written kernels of `cpu/` run the products, attention and
-greedy sampling instead, where a C++ compiler builds them. On a TPU, jax's Pallas kernel runs a decode step's
-attention over a paged cache (`tpu.py`). Nothing outside this package imports a kernel.
+greedy sampling instead, where a C++ compiler builds them. On a TPU or GPU, jax's Pallas kernels run a decode
+step's attention over a paged cache (`pallas.py`). Nothing outside this package imports a kernel.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from jaxllama.backends.cpu import library, matmul
 from jaxllama.backends.cpu.ops import CpuOps
-from jaxllama.backends.tpu import TpuOps
+from jaxllama.backends.pallas import GpuOps, TpuOps
 from jaxllama.core.blocks import FORMATS
 from jaxllama.core.ops import ACCELERATOR, XLA, Ops
 
@@ -42,8 +42,9 @@ def choose(mesh: Mesh, dtype, kernel_dir: Path, *, cpu_kernels: bool = True, qua
     readable = name in ("float32", "bfloat16", *FORMATS)
     platform = mesh.devices.flat[0].platform  # the mesh's, not the host's: a mesh may be of devices elsewhere
     if quantize == "int8":
-        if platform == "tpu":
-            return TpuOps(int8_weights=True)
+        accelerators = {"tpu": TpuOps, "gpu": GpuOps}
+        if platform in accelerators:
+            return accelerators[platform](int8_weights=True)
         return Ops(float32_products=platform != "cpu", int8_weights=True)
     usable = cpu_kernels and platform == "cpu" and mesh.size == 1 and readable
     if usable and library.load(kernel_dir):
@@ -53,4 +54,4 @@ def choose(mesh: Mesh, dtype, kernel_dir: Path, *, cpu_kernels: bool = True, qua
             f"quantize={quantize!r} runs through the CPU kernels: one CPU device, float32, bfloat16 or block "
             f"weights (here: {platform}, {mesh.size} device(s), {name})"
         )
-    return XLA if platform == "cpu" else TpuOps() if platform == "tpu" else ACCELERATOR
+    return {"cpu": XLA, "tpu": TpuOps(), "gpu": GpuOps()}.get(platform, ACCELERATOR)

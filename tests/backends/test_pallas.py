@@ -1,9 +1,11 @@
-"""The TPU backend (`backends/tpu.py`): jax's Pallas paged-attention kernel, run here in Pallas's TPU interpret mode,
-gives XLA's attention over the same pages (to the kernel's own rounding), alone and split over a mesh's `model`
-axis; compiled for a TPU slice, a decode step runs it where a head is 128 wide, and XLA's attention where not."""
+"""The accelerators' attention kernels (`backends/pallas.py`): jax's Pallas paged-attention kernels, run here in
+Pallas's interpreters (the TPU's, and the GPU kernel's `interpret=True`), give XLA's attention over the same pages
+(to the kernels' own rounding), alone and split over a mesh's `model` axis, the GPU's over an int8 cache too;
+compiled for a TPU slice, a decode step runs the TPU's where a head is 128 wide, and XLA's attention where not."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import jax
@@ -13,7 +15,8 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxllama.backends.tpu import TpuOps
+from jaxllama.backends.pallas import GpuOps, TpuOps
+from jaxllama.core import int8_kv
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import Ops
 
@@ -45,18 +48,35 @@ def test_the_pallas_kernel_gives_xlas_attention_over_the_same_pages():
     assert "pallas_call" not in str(jax.make_jaxpr(TpuOps().paged_attention)(*prompt))  # many queries: XLA's
 
 
-def test_split_over_the_model_axis_each_device_attends_with_its_own_heads():
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_gpu_kernel_gives_xlas_attention_over_the_same_pages(int8):
+    q, pool_k, pool_v, positions, table = _case(g=4)
+    table = jnp.concatenate([table] * 4, axis=1)  # 16 pages a row: the kernel's 16 parts of a row's pages
+    if int8:
+        pool_k, pool_v = (int8_kv.Int8KV(*int8_kv.quantize(p)) for p in (pool_k, pool_v))
+    args = (q, pool_k, pool_v, positions, table)
+    want = Ops(float32_products=True).paged_attention(*args)
+    got = GpuOps(interpret=True).paged_attention(*args)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    assert "pallas_call" in str(jax.make_jaxpr(GpuOps(interpret=True).paged_attention)(*args))
+
+
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+def test_split_over_the_model_axis_each_device_attends_with_its_own_heads(kernel):
     if len(jax.devices()) < 2:
         pytest.skip("needs two CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
     q, pool_k, pool_v, positions, table = _case(kv=2)
+    table = jnp.concatenate([table] * 4, axis=1)
     want = Ops(float32_products=True).paged_attention(q, pool_k, pool_v, positions, table)
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
     heads = NamedSharding(mesh, PartitionSpec(None, None, "model"))
     pools = NamedSharding(mesh, PartitionSpec("model"))
     q, pool_k, pool_v = jax.device_put(q, heads), jax.device_put(pool_k, pools), jax.device_put(pool_v, pools)
-    with jax.set_mesh(mesh), pltpu.force_tpu_interpret_mode():
-        got = jax.jit(TpuOps().paged_attention)(q, pool_k, pool_v, positions, table)
-    np.testing.assert_allclose(got, want, atol=1e-2)
+    ops = TpuOps() if kernel == "tpu" else GpuOps(interpret=True)
+    interpreted = pltpu.force_tpu_interpret_mode() if kernel == "tpu" else contextlib.nullcontext()
+    with jax.set_mesh(mesh), interpreted:
+        got = jax.jit(ops.paged_attention)(q, pool_k, pool_v, positions, table)
+    np.testing.assert_allclose(got, want, atol=1e-2 if kernel == "tpu" else 2e-5)
 
 
 @needs_libtpu

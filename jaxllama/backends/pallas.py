@@ -1,0 +1,104 @@
+"""XLA's operations on a TPU or GPU, with a decode step's attention over a paged KV cache run by jax's own Pallas
+kernels (`jax.experimental.pallas.ops.tpu.paged_attention`, JetStream's, and `...ops.gpu.paged_attention`): each row
+reads only its pages up to its own length, a block of pages at a time, where XLA's gather reads every page of the
+table's width for every row. Both kernels read the pool as `core/paged_kv.py` lays it out ([kv_heads, pages,
+page_size, head_dim]); the GPU's also reads an int8 cache's scales as they are stored ([kv_heads, pages, page_size]).
+
+The kernels run per device: inside a `shard_map` over the mesh's `model` axis, each device attends with its own
+query heads over its own KV heads (the pool's heads are split over `model`, as the weights' are). A prompt's
+attention (many queries a row), KV heads that the model axis does not split, a head_dim that is not a multiple of
+128 (the TPU kernel's blocks end in whole 128-lane registers; Llama's is 128) and, on a TPU, an int8 cache take
+XLA's path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxllama.core.int8_kv import Int8KV
+from jaxllama.core.ops import Ops
+
+LANES = 128  # a head's width must be a multiple of it
+MAX_PAGES_PER_BLOCK = 8  # pages a kernel reads at a time: with 64-position pages, 512 positions a block
+GPU_SPLITS = 16  # the GPU kernel splits each row's pages into this many parts, run in parallel, then joined
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasOps(Ops):
+    """XLA's operations on an accelerator (`float32_products`), a decode step's attention over pages by a kernel."""
+
+    float32_products: bool = dataclasses.field(default=True, kw_only=True)
+    # Tested on a CPU in Pallas's interpreter (the kernel's own code, run as jax operations).
+    interpret: bool = dataclasses.field(default=False, kw_only=True)
+    int8_cache: ClassVar[bool] = False  # the kernel reads an int8 cache's scales
+
+    def paged_attention(self, q, pool_k, pool_v, positions, table) -> jax.Array:
+        mesh = jax.sharding.get_abstract_mesh()
+        model = 1 if mesh.empty or "model" not in mesh.axis_names else mesh.shape["model"]
+        kv_heads, head_dim = pool_k.shape[0], pool_k.shape[-1]
+        int8 = isinstance(pool_k, Int8KV)
+        if q.shape[1] != 1 or kv_heads % model or head_dim % LANES or (int8 and not self.int8_cache):
+            return super().paged_attention(q, pool_k, pool_v, positions, table)
+        b, _, kv, g, hd = q.shape
+        queries = (q[:, 0] * (1.0 / math.sqrt(hd))).reshape(b, kv * g, hd)  # head kv_index * g + group
+        lengths = positions[:, 0].astype(jnp.int32) + 1
+        pages = jnp.minimum(table, pool_k.shape[1] - 1)  # a page not given out: any page, past the row's length
+        attend = self._kernel
+        if model > 1:
+            heads, replicated, pools = PartitionSpec(None, "model", None), PartitionSpec(), PartitionSpec("model")
+            attend = jax.shard_map(
+                attend,
+                mesh=mesh,
+                in_specs=(heads, *(jax.tree.map(lambda _: pools, p) for p in (pool_k, pool_v)), replicated, replicated),
+                out_specs=heads,
+                check_vma=False,
+            )
+        out = attend(queries, pool_k, pool_v, lengths, pages)
+        return out.reshape(b, 1, kv, g, hd).astype(q.dtype)
+
+    def _kernel(self, q, pool_k, pool_v, lengths, pages) -> jax.Array:
+        """q [b, heads, hd] (scaled), one device's pools, lengths [b], pages [b, n] -> [b, heads, hd]."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuOps(PallasOps):
+    def _kernel(self, q, pool_k, pool_v, lengths, pages) -> jax.Array:
+        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+        block = math.gcd(pages.shape[1], MAX_PAGES_PER_BLOCK)
+        return paged_attention(q, pool_k, pool_v, lengths, pages, pages_per_compute_block=block)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuOps(PallasOps):
+    int8_cache: ClassVar[bool] = True
+
+    def _kernel(self, q, pool_k, pool_v, lengths, pages) -> jax.Array:
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+        (k, k_scales), (v, v_scales) = _split(pool_k), _split(pool_v)
+        splits = math.gcd(pages.shape[1], GPU_SPLITS)
+        block = math.gcd(pages.shape[1] // splits, MAX_PAGES_PER_BLOCK)
+        return paged_attention(
+            q,
+            k,
+            v,
+            pages,
+            lengths,
+            k_scales,
+            v_scales,
+            pages_per_compute_block=block,
+            k_splits=splits,
+            interpret=self.interpret,
+        )
+
+
+def _split(pool):
+    return (pool.values, pool.scales) if isinstance(pool, Int8KV) else (pool, None)
