@@ -59,3 +59,32 @@ def test_the_default_conversion_stays_close_to_transformers(smollm2_checkpoint, 
         kl = (np.exp(ref) * (ref - ours)).sum(-1)
         assert kl.max() < 0.05
         assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.85
+
+
+def test_greedy_tokens_through_the_paged_cache_are_the_cpu_kernels(smollm2_float32_checkpoint):
+    """The real model through XLA's paged cache (`core/paged_kv.py`, pages of 16) gives the greedy tokens the CPU
+    kernels' contiguous cache gives, each prompt alone and the three together, the third reusing the pages of a
+    first run's prefix."""
+    import jax
+
+    from jaxllama.core.sharding import make_mesh
+    from jaxllama.engine.engine import Engine
+    from jaxllama.engine.request import Request, SamplingParams
+
+    config, params = load_checkpoint(smollm2_float32_checkpoint)
+    mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
+
+    def greedy(engine, prompts):
+        tokens = {}
+        requests = [Request(i, p, SamplingParams(max_tokens=12, temperature=0.0)) for i, p in enumerate(prompts)]
+        for u in engine.generate(requests):
+            tokens.setdefault(u.id, []).extend(u.tokens)
+        return [tokens[i] for i in range(len(prompts))]
+
+    kernels = Engine(config, params, mesh, max_slots=4)
+    paged = Engine(config, params, mesh, max_slots=4, cpu_kernels=False, page_size=16)
+    assert paged.device.pages is not None and kernels.device.pages is None
+    together = greedy(kernels, PROMPTS)
+    assert [greedy(paged, [p])[0] for p in PROMPTS] == together
+    assert greedy(paged, PROMPTS) == together
+    assert paged.stats.cached_tokens >= 16  # the third prompt's 21 tokens held from its run alone: a page reused
