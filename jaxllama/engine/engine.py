@@ -14,9 +14,11 @@ from collections.abc import Iterable
 from jax.sharding import Mesh
 
 from jaxllama import backends
+from jaxllama.core.blocks import FORMATS
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import activation_dtype
 from jaxllama.core.ops import Ops
+from jaxllama.core.params import product_form
 from jaxllama.engine import buckets, kvcache
 from jaxllama.engine.buckets import DEFAULT_SLOTS
 from jaxllama.engine.device import Device
@@ -79,7 +81,9 @@ class Engine(Scheduler):
         stats = EngineStats()
         start = time.perf_counter()  # building the CPU kernels (once per machine) counts as compilation
         dtype = activation_dtype(params["embedding"])  # the model's (a backend keeps the embedding for lookups)
-        self.ops = ops or backends.choose(mesh, dtype, kernel_dir(), cpu_kernels=cpu_kernels, quantize=quantize)
+        form = product_form(config)  # the products' weights' as stored: a block format or a dtype
+        form = form if form in FORMATS else dtype
+        self.ops = ops or backends.choose(mesh, form, kernel_dir(), cpu_kernels=cpu_kernels, quantize=quantize)
         stats.compile_s += time.perf_counter() - start
         data = mesh.shape["data"]
         if page_size is None:

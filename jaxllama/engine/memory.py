@@ -29,11 +29,12 @@ import numpy as np
 import psutil
 from jax.sharding import Mesh
 
+from jaxllama import backends
 from jaxllama.core import kv_groups
 from jaxllama.core.chips import chip_of, memory_of
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import XLA, Ops
-from jaxllama.core.params import abstract_stored, as_blocks, stored_arrays_of
+from jaxllama.core.params import abstract_stored, as_blocks, product_form, stored_arrays_of
 from jaxllama.core.sharding import make_mesh, model_axes, parse_mesh
 from jaxllama.engine import buckets, kvcache
 from jaxllama.errors import ModelTooLarge
@@ -133,8 +134,8 @@ def plan(
     """The mesh, slots and context to run `config` with on `devices` (see the module's docstring), its weights
     quantized at load as `quantize` says ("int8": `core/int8_weights.py`); ModelTooLarge, with the bytes needed and
     the bytes there are, where nothing fits."""
-    ops = Ops(int8_weights=quantize == "int8")
     devices = list(devices)
+    ops = Ops(int8_weights=backends.int8_at_load(product_form(config), devices[0].platform, quantize))
     memory = memory_of(devices[0])
     if memory is None:  # a CPU: the host's memory, checked by `check_host`
         mesh = make_mesh(config, spec, devices)

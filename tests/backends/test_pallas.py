@@ -95,3 +95,23 @@ def test_a_decode_step_compiled_for_a_tpu_slice_runs_the_kernel_where_it_can(dim
     assert "cache growth" not in {p.phase for p in report.programs}
     decode = next(p for p in report.programs if p.kind == "decode_layers")
     assert ("tpu_custom_call" in decode.hlo_text) == kernel
+
+
+@needs_libtpu
+def test_blocks_are_read_as_int8_weights_on_a_tpu_and_as_blocks_on_a_cpu_mesh(tmp_path):
+    from jaxllama import backends
+    from jaxllama.engine import aot
+
+    config = ModelConfig(vocab_size=512, dim=512, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, max_seq_len=512)
+    tpu = Mesh(np.array(aot.target_devices("v5e:2x2")[0]).reshape(1, 4), ("data", "model"))
+    cpu = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+    assert backends.choose(tpu, "q8_0", tmp_path) == TpuOps(int8_weights=True)
+    assert backends.choose(tpu, "bfloat16", tmp_path) == TpuOps()
+    assert not backends.choose(cpu, "q8_0", tmp_path).int8_weights
+    # the memory plan counts what the products read: int8 weights, not blocks
+    stored = aot.quantized(config, "q8_0")
+    plan = aot.memory.plan(stored, aot.target_devices("v5e:2x2")[0], "data=1,model=4", 8, 512, jnp.bfloat16)
+    int8 = aot.memory.plan(
+        config, aot.target_devices("v5e:2x2")[0], "data=1,model=4", 8, 512, jnp.bfloat16, quantize="int8"
+    )
+    assert plan.footprint.weights == int8.footprint.weights
