@@ -163,6 +163,12 @@ class Ops:
             return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
         return jnp.einsum(spec, a, b).astype(jnp.float32)
 
+    def page_size(self, cache_dtype) -> int:
+        """Positions per page of the KV cache this backend reads fastest in `cache_dtype`, 0 for a contiguous cache.
+        XLA's reads a paged cache by a gather of every page of the table's width: contiguous by default, paged only
+        where asked (`Engine(page_size=...)`)."""
+        return 0
+
     def greedy(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         """logits [b, v] float32 -> (the most likely token [b] int32, the first on ties; its log-probability [b])."""
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)

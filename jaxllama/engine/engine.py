@@ -28,9 +28,6 @@ from jaxllama.engine.stats import EngineStats
 
 # Decoder layers per compiled program (`step.py`): SmolLM2's 30 layers run as 6 calls of one program.
 LAYERS_PER_PROGRAM = 5
-# Positions per page of a paged KV cache (`core/paged_kv.py`): a TPU's bfloat16 tile is [16, 128], and pages of a
-# few such tiles make whole DMA transfers for the paged attention kernels; a prefix is shared a page at a time.
-PAGE_SIZE = 64
 
 
 def check_options(quantize: str | None = None, kv_cache_dtype: str | None = None) -> None:
@@ -51,8 +48,8 @@ class Engine(Scheduler):
     backend, where the caller chose it already (`backends.choose`; `cpu_kernels` and `quantize` then say nothing).
     `abstract`: `params` are ShapeDtypeStructs with shardings and the engine only compiles its programs for the mesh's
     devices, which may be unable to run them (`engine/aot.py`). `page_size`: the KV cache's positions per page, 0 for
-    a contiguous cache; by default paged (`PAGE_SIZE`) on a TPU or GPU mesh of data=1, contiguous elsewhere (the
-    CPU kernels read contiguous rows)."""
+    a contiguous cache; by default the backend's (`Ops.page_size`: paged where a kernel reads the pages, on a TPU or
+    GPU mesh of data=1)."""
 
     def __init__(
         self,
@@ -86,9 +83,9 @@ class Engine(Scheduler):
         self.ops = ops or backends.choose(mesh, form, kernel_dir(), cpu_kernels=cpu_kernels, quantize=quantize)
         stats.compile_s += time.perf_counter() - start
         data = mesh.shape["data"]
+        cache_dtype = kvcache.dtype(kv_cache_dtype, dtype)
         if page_size is None:
-            accelerator = mesh.devices.flat[0].platform != "cpu"
-            page_size = PAGE_SIZE if accelerator and data == 1 and not self.ops.cache_layout.transposed_keys else 0
+            page_size = self.ops.page_size(cache_dtype) if data == 1 else 0
         device = Device(
             config,
             params,
@@ -99,7 +96,7 @@ class Engine(Scheduler):
             eos_ids=sorted(set(int(i) for i in eos_ids)),
             decode_steps=decode_steps,
             layers_per_program=layers_per_program,
-            cache_dtype=kvcache.dtype(kv_cache_dtype, dtype),
+            cache_dtype=cache_dtype,
             min_cache=min_cache,
             stats=stats,
             donate_params=donate_params,
