@@ -31,12 +31,30 @@ def shape(config, pages: int, page_size: int) -> tuple[int, int, int, int]:
 
 def write(pool, table: jax.Array, positions: jax.Array, new: jax.Array):
     """`pool` (an array or `Int8KV`) with new [b, t, kv, hd] stored at positions [b, t] of the rows whose pages
-    table [b, n] names (positions past a row's table, and pages past the pool, are dropped)."""
+    table [b, n] names (positions past a row's table, and pages past the pool, are dropped). A call of several tokens
+    a row (a prompt) starts each row at a page boundary (the engine's do: a prefix is reused in whole pages) and is
+    written a page at a time, past its last token too, into the row's own pages: a position past a row's length is
+    written again before it is read."""
     page_size = pool.shape[2]
-    index = positions // page_size
+    if new.shape[1] == 1:
+        return int8_kv.write(
+            pool,
+            (slice(None), _pages(table, positions // page_size, pool), positions % page_size),
+            jnp.moveaxis(new, 2, 0),
+        )
+    # Whole pages: a scatter along the pool's pages alone, which a TPU runs in place (a scatter of single positions
+    # into [pages, page_size] makes it copy each layer's pool to another layout and back).
+    b, t = new.shape[:2]
+    n = -(-t // page_size)
+    new = jnp.pad(new, ((0, 0), (0, n * page_size - t), (0, 0), (0, 0))).reshape(b, n, page_size, *new.shape[2:])
+    index = positions[:, :1] // page_size + jnp.arange(n)[None]
+    return int8_kv.write(pool, (slice(None), _pages(table, index, pool)), jnp.moveaxis(new, 3, 0))
+
+
+def _pages(table: jax.Array, index: jax.Array, pool) -> jax.Array:
+    """The pages of rows' page-table entries `index` [b, ...]; the pool's size (nowhere) past a row's table."""
     pages = jnp.take_along_axis(table, jnp.minimum(index, table.shape[1] - 1), axis=1)
-    pages = jnp.where(index < table.shape[1], pages, pool.shape[1])  # past the table: nowhere
-    return int8_kv.write(pool, (slice(None), pages, positions % page_size), jnp.moveaxis(new, 2, 0))
+    return jnp.where(index < table.shape[1], pages, pool.shape[1])
 
 
 def gather(pool, table: jax.Array):
