@@ -112,6 +112,8 @@ class EngineReport:
     decode: PhaseReport
     prefills: list[PhaseReport]
     compile_s: float
+    kv_cache: str = "contiguous"  # or "paged, N-position pages"
+    decode_attention: str = "XLA"  # or "Pallas kernel": a custom call, which the compiler's cycles leave out
 
     @property
     def fits(self) -> bool:
@@ -153,6 +155,8 @@ class EngineReport:
             "mesh": self.mesh,
             "slots": self.slots,
             "context": self.context,
+            "kv_cache": self.kv_cache,
+            "decode_attention": self.decode_attention,
             "fits": self.fits,
             "device_memory_bytes": self.device_memory,
             "compile_s": self.compile_s,
@@ -184,6 +188,12 @@ class EngineReport:
             f"{self.slots} slots x {self.context} positions",
             f"memory per device: {self.footprint.total / gib:.2f} GiB of {have} "
             f"({'fits' if self.fits else 'DOES NOT FIT'}): {self.footprint.describe()}",
+            f"KV cache: {self.kv_cache}; decode attention: {self.decode_attention}"
+            + (
+                " (the compiler's cycles leave the kernel out; its HBM traffic counts its operands whole)"
+                if self.decode_attention != "XLA"
+                else ""
+            ),
             "",
             f"{'program':<16}{'phase':<14}{'calls':>5}{'args GiB':>10}{'temp GiB':>10}{'GFLOP':>10}"
             f"{'HBM GiB':>10}{'cycles ms':>11}{'compile s':>11}  collectives",
@@ -349,7 +359,15 @@ def compile_engine(
         decode=decode,
         prefills=prefill_reports,
         compile_s=time.perf_counter() - started,
+        kv_cache=f"paged, {device.pages.page_size}-position pages" if device.pages else "contiguous",
+        decode_attention="Pallas kernel" if any(_runs_a_kernel(p) for p in phases["decode step"]) else "XLA",
     )
+
+
+def _runs_a_kernel(compiled: Compiled) -> bool:
+    """Whether a compiled program calls a Pallas kernel (Mosaic's on a TPU, Triton's on a GPU)."""
+    text = compiled.hlo_text or ""
+    return "tpu_custom_call" in text or "triton" in text
 
 
 def _previous_bucket(context: int) -> int:

@@ -95,6 +95,8 @@ def test_a_decode_step_compiled_for_a_tpu_slice_runs_the_kernel_where_it_can(dim
     assert "cache growth" not in {p.phase for p in report.programs}
     decode = next(p for p in report.programs if p.kind == "decode_layers")
     assert ("tpu_custom_call" in decode.hlo_text) == kernel
+    assert report.decode_attention == ("Pallas kernel" if kernel else "XLA")
+    assert report.kv_cache == "paged, 64-position pages" and "KV cache: paged" in report.table()
 
 
 @needs_libtpu
