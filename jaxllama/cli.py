@@ -472,8 +472,9 @@ FLAG_HELP = {
     "decode_steps": "decode steps per host round trip.",
     "quantize": "q8_0, w8a8 or q4_0 to quantize float weights at load (one CPU device): int8 weights (llama.cpp's "
     "Q8_0) multiplied by inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512 VNNI), "
-    "or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored. int8: on an "
-    "accelerator (or a CPU mesh), int8 weights with a scale per output channel (blocks requantized).",
+    "or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored on a CPU, and "
+    "as int8 weights made at load on a TPU or GPU. int8: on an accelerator (or a CPU mesh), int8 weights with a scale "
+    "per output channel (blocks requantized).",
     "dtype": "float32, bfloat16 or float16 to convert every weight to it while loading (blocks dequantized); default: "
     "the weights as the checkpoint stores them.",
     "kv_cache_dtype": "float16 or bfloat16 keeps the KV cache in 16 bits, int8 (XLA's path: accelerators, a CPU mesh) "
