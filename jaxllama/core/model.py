@@ -36,15 +36,9 @@ from jaxllama.core import int8_kv, paged_kv
 from jaxllama.core.blocks import Blocks, dequantize
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import XLA, Ops
+from jaxllama.core.products import GATE_UP, QKV
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v), laid out as `Ops.cache_layout` says
-
-# The products that share an input, as the math above computes them: a backend may run each group as one product
-# (`Ops.project`, `Ops.gated`). PRODUCT_IN_DIMS: every product's weight, by its name in a layer's params, and the
-# trailing dims it contracts (`Ops.linear`'s in_dims).
-QKV = ("wq", "wk", "wv")
-GATE_UP = ("w1", "w3")
-PRODUCT_IN_DIMS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w1": 1, "w2": 1, "w3": 1, "output": 1}
 
 
 def rope_frequencies(config: ModelConfig) -> np.ndarray:

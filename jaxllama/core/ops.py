@@ -27,6 +27,7 @@ from jaxllama.core import int8_kv, int8_weights, paged_kv
 from jaxllama.core.blocks import Blocks, dequantize
 from jaxllama.core.cache_layout import POSITIONS_MAJOR, CacheLayout
 from jaxllama.core.int8_weights import Int8
+from jaxllama.core.products import PRODUCT_IN_DIMS
 
 # XLA:CPU's option that turns its YNNPACK matrix-product kernels off (see `Ops.compiler_options`).
 NO_YNNPACK = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -65,13 +66,6 @@ class Ops:
         return _map_products(
             params, lambda w, in_dims: w if isinstance(w, Int8) else int8_weights.abstract(_abstract_weight(w), in_dims)
         )
-
-    def weight_bytes(self, config, dtype) -> int:
-        """The bytes of a model's weights once prepared, restored as `config` describes them (`dtype`: the
-        activations' dtype). XLA reads them as restored."""
-        from jaxllama.core.params import stored_bytes  # params imports the model, which imports this module
-
-        return stored_bytes(config)
 
     def linear(self, x: jax.Array, w, in_dims: int = 1) -> jax.Array:
         """x [..., *in] times w [*out, *in] (`in_dims` trailing dims; an array or `Blocks`) -> [..., *out], as one
@@ -197,8 +191,6 @@ SCALED_WEIGHT_ROWS = 256  # an int8 product of this many rows or more scales its
 
 def _map_products(params, fn):
     """params with fn(weight, in_dims) at every product's weight (by name: `PRODUCT_IN_DIMS`; not the embedding)."""
-    from jaxllama.core.model import PRODUCT_IN_DIMS  # the model imports this module
-
     if isinstance(params, (list, tuple)):  # a run of layers
         return [_map_products(p, fn) for p in params]
     out = {}

@@ -18,7 +18,8 @@ from jax.sharding import Mesh
 
 from jaxllama.core.blocks import BLOCK, Blocks
 from jaxllama.core.config import BLOCK_FORMATS, ModelConfig
-from jaxllama.core.model import PRODUCT_IN_DIMS, declarations
+from jaxllama.core.model import declarations
+from jaxllama.core.products import PRODUCT_IN_DIMS
 from jaxllama.core.sharding import logical_to_spec, named_sharding, rules_for
 
 

@@ -34,7 +34,7 @@ from jaxllama.core import kv_groups
 from jaxllama.core.chips import chip_of, memory_of
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import XLA, Ops
-from jaxllama.core.params import abstract_stored, as_blocks, product_form, stored_arrays_of
+from jaxllama.core.params import abstract_stored, as_blocks, product_form, stored_arrays_of, stored_bytes
 from jaxllama.core.sharding import make_mesh, model_axes, parse_mesh
 from jaxllama.engine import buckets, kvcache
 from jaxllama.errors import ModelTooLarge
@@ -201,7 +201,8 @@ def check_host(config: ModelConfig, ops: Ops, dtype, mesh: Mesh, stored: ModelCo
     form of its products, `params.product_form`), a copy per replica along the mesh's `data` axis, plus one layer
     being restored (as the checkpoint `stored` holds it, and as restored), plus OVERHEAD, fit in the host's
     available memory."""
-    weights = ops.weight_bytes(config, dtype)
+    # XLA reads the weights as restored; a backend that prepares its own in host memory says their bytes.
+    weights = ops.weight_bytes(config, dtype) if ops.prepared_on_host else stored_bytes(config)
     need = weights * mesh.shape["data"] + _layer_bytes(config) + _layer_bytes(stored or config) + OVERHEAD
     have = psutil.virtual_memory().available
     if need > have:

@@ -119,7 +119,7 @@ def test_llm_on_xla_holds_the_blocks_it_restored(tiny_chat_checkpoint, tmp_path,
     ckpt = convert(tiny_chat_checkpoint.parent / "m.gguf", tmp_path / "ckpt", quantize="q8_0", progress=False)
     llm = LLM.load(ckpt, mesh="data=1,model=1", max_slots=1, compilation_cache=False)
     assert llm.engine.ops == XLA and isinstance(llm.params["layers_0"]["attention"]["wq"], Blocks)
-    assert XLA.weight_bytes(llm.config, jnp.float32) == stored_bytes(llm.config) < llm.config.n_params * 1.2
+    assert stored_bytes(llm.config) < llm.config.n_params * 1.2  # what the memory check counts for XLA's path
     reply = llm.generate([1, 5, 9], max_tokens=4, temperature=0)
     row = [1, 5, 9] + reply.token_ids
     assert reply.token_ids == np.argmax(llm.logits([row])[0][2:-1], axis=-1).tolist()

@@ -24,9 +24,9 @@ from jaxllama.backends.cpu.decode_attention import decode_attention
 from jaxllama.backends.cpu.row_stats import row_stats
 from jaxllama.core.blocks import BLOCK, GGUF_BLOCK_BYTES, Blocks
 from jaxllama.core.cache_layout import TRANSPOSED_KEYS, CacheLayout
-from jaxllama.core.model import GATE_UP, PRODUCT_IN_DIMS, QKV
 from jaxllama.core.ops import NO_YNNPACK, Ops
 from jaxllama.core.params import param_layout
+from jaxllama.core.products import GATE_UP, PRODUCT_IN_DIMS, QKV
 
 
 def fused_key(names) -> str:

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType, quants
 from jaxllama.backends.cpu import matmul
 from jaxllama.backends.cpu.ops import CpuOps
 from jaxllama.core.checkpoint import load_checkpoint
-from jaxllama.core.model import PRODUCT_IN_DIMS
+from jaxllama.core.products import PRODUCT_IN_DIMS
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.request import Request, SamplingParams

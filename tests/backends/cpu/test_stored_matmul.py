@@ -18,7 +18,8 @@ from jaxllama.backends.cpu import matmul
 from jaxllama.backends.cpu.ops import CpuOps
 from jaxllama.core import blocks
 from jaxllama.core.config import ModelConfig
-from jaxllama.core.model import PRODUCT_IN_DIMS, sequence_logits
+from jaxllama.core.model import sequence_logits
+from jaxllama.core.products import PRODUCT_IN_DIMS
 from tests.backends.cpu.test_quantized_matmul import weights
 from tests.backends.cpu.test_w8a8_matmul import inputs, padded
 from tests.engine.conftest import spread_params, tiny_config
