@@ -377,7 +377,7 @@ def info(path: str | None = None):
     from jaxllama.default_model import resolve_model
     from jaxllama.text.chat_template import ChatTemplate
     from jaxllama.text.end_of_generation import end_of_generation_ids, load_generation_config
-    from jaxllama.text.tokenizer import load_tokenizer
+    from jaxllama.text.loading import load_tokenizer
 
     _log_to_stderr(logging.INFO)
     try:

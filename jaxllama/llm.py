@@ -50,8 +50,9 @@ from jaxllama.protocol.requests import (
 from jaxllama.text.chat_template import ChatTemplate, encode_chat
 from jaxllama.text.conversation import validate_messages
 from jaxllama.text.end_of_generation import end_of_generation_ids, load_generation_config
+from jaxllama.text.loading import load_tokenizer
 from jaxllama.text.structured import Grammar, GrammarCompiler, OutputFormat
-from jaxllama.text.tokenizer import Tokenizer, load_tokenizer
+from jaxllama.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -73,7 +73,7 @@ def smollm2_float32_checkpoint(smollm2_path, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_path):
     """Our tokenizer for SmolLM2-135M-Instruct, built from its GGUF's vocabulary once per session (seconds)."""
-    from jaxllama.text.tokenizer import load_tokenizer
+    from jaxllama.text.loading import load_tokenizer
 
     return load_tokenizer(smollm2_path)
 

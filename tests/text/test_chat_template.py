@@ -27,7 +27,8 @@ from jaxllama.text.chat_template import (
 )
 from jaxllama.text.conversation import ROLES, ConversationError, validate_messages
 from jaxllama.text.hf_tokenizer import HFTokenizer
-from jaxllama.text.tokenizer import Tokenizer, load_tokenizer
+from jaxllama.text.loading import load_tokenizer
+from jaxllama.text.tokenizer import Tokenizer
 
 LLAMA_MODELS_DIR = pathlib.Path(importlib.util.find_spec("llama_models").submodule_search_locations[0])
 LLAMA3_TOKENIZER_MODEL = LLAMA_MODELS_DIR / "llama3" / "tokenizer.model"

@@ -12,7 +12,7 @@ import pytest
 
 from jaxllama.text.builtin_templates import BUILTIN_TEMPLATES
 from jaxllama.text.end_of_generation import end_of_generation_ids, load_generation_config
-from jaxllama.text.tokenizer import load_tokenizer
+from jaxllama.text.loading import load_tokenizer
 
 LLAMA_MODELS_DIR = pathlib.Path(importlib.util.find_spec("llama_models").submodule_search_locations[0])
 LLAMA3_TOKENIZER_MODEL = LLAMA_MODELS_DIR / "llama3" / "tokenizer.model"

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from jaxllama.text.byte_level import spell
 from jaxllama.text.gguf_vocab import tokenizer_files_from_gguf
 from jaxllama.text.hf_tokenizer import HFTokenizer
+from jaxllama.text.loading import load_tokenizer
 from jaxllama.text.tiktoken_tokenizer import SPLIT_PATTERN
-from jaxllama.text.tokenizer import load_tokenizer
 from tests.text.test_tokenizer_incremental import assert_streams_like_decode
 
 NUM_RANKS = 3000

@@ -16,8 +16,9 @@ import sentencepiece
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxllama.text.loading import load_tokenizer
 from jaxllama.text.sentencepiece_tokenizer import SentencePieceTokenizer
-from jaxllama.text.tokenizer import Tokenizer, load_tokenizer
+from jaxllama.text.tokenizer import Tokenizer
 from tests.text.test_tokenizer_sentencepiece import train_sentencepiece, write_gguf_vocab
 
 REPLACEMENT_CHAR = "\ufffd"

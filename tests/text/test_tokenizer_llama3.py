@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from llama_models.llama3.tokenizer import Tokenizer as MetaTokenizer
 
+from jaxllama.text.loading import load_tokenizer
 from jaxllama.text.tiktoken_tokenizer import Llama3Tokenizer
-from jaxllama.text.tokenizer import load_tokenizer
 
 MODEL_FILE = Path(llama_models.__file__).parent / "llama3" / "tokenizer.model"
 TEXTS = [

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from jaxllama.text.gguf_vocab import tokenizer_files_from_gguf
 from jaxllama.text.hf_tokenizer import HFTokenizer
+from jaxllama.text.loading import load_tokenizer
 from jaxllama.text.sentencepiece_tokenizer import SentencePieceTokenizer
-from jaxllama.text.tokenizer import load_tokenizer
 
 USER_DEFINED = "<tool>"
 WORDS = (

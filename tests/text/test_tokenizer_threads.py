@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxllama.text.tokenizer import Tokenizer, load_tokenizer
+from jaxllama.text.loading import load_tokenizer
+from jaxllama.text.tokenizer import Tokenizer
 from tests.text.test_tokenizer_sentencepiece import train_sentencepiece
 
 LLAMA3_TOKENIZER_MODEL = Path(importlib.util.find_spec("llama_models").submodule_search_locations[0]) / "llama3"
