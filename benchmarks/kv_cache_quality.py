@@ -8,7 +8,6 @@ how often the most likely token is the same. XLA's path (the int8 cache's), one 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import fire
@@ -16,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.divergence import HEADER, answered_texts, row
 from jaxllama import LLM
 from jaxllama.core.checkpoint import load_checkpoint
 from jaxllama.core.model import empty_cache, forward
@@ -31,11 +31,7 @@ def main(
     max_tokens: int = 64,
 ) -> None:
     llm = LLM.load(model, max_slots=8)
-    records = [json.loads(line) for line in Path(job).read_text().splitlines()]
-    records = [r.get("body", r) for r in records][:lines]  # OpenAI Batch lines carry the request as their body
-    conversations = [r.get("messages") or [{"role": "user", "content": r["prompt"]}] for r in records]
-    answers = llm.chat(conversations, max_tokens=max_tokens, temperature=0)
-    texts = [llm.encode_chat(c) + a.token_ids for c, a in zip(conversations, answers, strict=True)]
+    texts = answered_texts(llm, job, lines, max_tokens)
     config, params = load_checkpoint(llm.path, dtype="float32")
     length = max(len(t) for t in texts)
 
@@ -50,15 +46,9 @@ def main(
 
     exact = [read(t, "float32") for t in texts]
     print(f"{len(texts)} texts, {sum(map(len, texts))} positions, {Path(llm.path).name}")
-    print(f"{'cache':<10} {'mean KL':>10} {'max KL':>10} {'top-1 same':>11}")
+    print(f"{'cache':<10} {HEADER}")
     for dtype in dtypes.split(","):
-        kl, same = [], []
-        for e, text in zip(exact, texts, strict=True):
-            got = read(text, dtype)
-            kl.append(np.sum(np.exp(e) * (e - got), axis=-1))
-            same.append(np.argmax(e, -1) == np.argmax(got, -1))
-        kl, same = np.concatenate(kl), np.concatenate(same)
-        print(f"{dtype:<10} {kl.mean():>10.2e} {kl.max():>10.2e} {same.mean():>10.2%}")
+        print(f"{dtype:<10} {row(exact, [read(t, dtype) for t in texts])}")
 
 
 if __name__ == "__main__":

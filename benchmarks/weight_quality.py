@@ -10,13 +10,13 @@ blocks times inputs rounded to int8 per block of 32, as llama.cpp's Q8_0 product
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
 import fire
 import numpy as np
 
+from benchmarks.divergence import HEADER, answered_texts, row
 from converters.llama import convert
 from jaxllama import LLM
 from jaxllama.default_model import default_gguf
@@ -40,24 +40,15 @@ def main(
     with tempfile.TemporaryDirectory() as tmp:
         exact = LLM.load(convert(gguf, Path(tmp) / "f32", dtype="float32", progress=False), max_slots=8)
         default = convert(gguf, Path(tmp) / "default", progress=False)
-        records = [json.loads(line) for line in Path(job).read_text().splitlines()]
-        records = [r.get("body", r) for r in records][:lines]  # OpenAI Batch lines carry the request as their body
-        conversations = [r.get("messages") or [{"role": "user", "content": r["prompt"]}] for r in records]
-        answers = exact.chat(conversations, max_tokens=max_tokens, temperature=0)
-        texts = [exact.encode_chat(c) + a.token_ids for c, a in zip(conversations, answers, strict=True)]
+        texts = answered_texts(exact, job, lines, max_tokens)
         reference = [_log_softmax(x[: len(t)]) for x, t in zip(exact.logits(texts), texts, strict=True)]
         print(f"{len(texts)} texts, {sum(map(len, texts))} positions, {gguf.name}")
-        print(f"{'weights':<10} {'mean KL':>10} {'max KL':>10} {'top-1 same':>11}")
+        print(f"{'weights':<10} {HEADER}")
         for form in forms.split(","):
             options = {"default": {}, "bfloat16": {"dtype": "bfloat16"}}.get(form, {"quantize": form})
             llm = LLM.load(default if form != "bfloat16" else exact.path, max_slots=8, **options)
-            kl, same = [], []
-            for e, x, t in zip(reference, llm.logits(texts), texts, strict=True):
-                got = _log_softmax(x[: len(t)])
-                kl.append(np.sum(np.exp(e) * (e - got), axis=-1))
-                same.append(np.argmax(e, -1) == np.argmax(got, -1))
-            kl, same = np.concatenate(kl), np.concatenate(same)
-            print(f"{form:<10} {kl.mean():>10.2e} {kl.max():>10.2e} {same.mean():>10.2%}")
+            got = [_log_softmax(x[: len(t)]) for x, t in zip(llm.logits(texts), texts, strict=True)]
+            print(f"{form:<10} {row(reference, got)}")
 
 
 if __name__ == "__main__":

@@ -199,7 +199,7 @@ class Device:
         if self.pages:
             self.pages.assign([(r.slot, r.source, r.start, r.start + len(r.tokens)) for r in rows])
             slots = batch.arrays["slots"]
-            table = self._put(self.pages.table(slots, -(-batch.span // self.pages.page_size)))
+            table = self._put(self.pages.table(slots, self.pages.pages_for(batch.span)))
             x = self._paged_layers("prefill_layers", x, positions, rope, table)
         else:
             x = self._prefill_layers(x, positions, rope, inputs["sources"], inputs["slots"], batch.span, batch.fresh)
@@ -244,7 +244,7 @@ class Device:
         slots, keep, kept = self._put((None if every else np.array(columns, np.int32), keep, np.ones(self.slots, bool)))
         if self.pages:  # each column's pages, as many as the longest sequence's bucket of positions
             longest = max(self.pages.positions(c) for c in columns if c < self.slots)
-            width = -(-buckets.bucket(longest, self.max_context) // self.pages.page_size)
+            width = self.pages.pages_for(buckets.bucket(longest, self.max_context))
             table = self._put(self.pages.table(columns, width))
         inputs_fn = functools.partial(step.decode_inputs, config=self.config)
         layers_fn = functools.partial(step.decode_layers, config=self.config, ops=self.ops)

@@ -21,7 +21,7 @@ import numpy as np
 class PageTable:
     def __init__(self, slots: int, max_context: int, page_size: int):
         self.page_size = page_size
-        self.pages_per_slot = -(-max_context // page_size)
+        self.pages_per_slot = self.pages_for(max_context)
         self.pages = slots * self.pages_per_slot  # the pool's size; also a table's entry for "no page"
         self._free = list(range(self.pages - 1, -1, -1))  # a stack: the lowest pages are given out first
         self._holders = np.zeros(self.pages, np.int32)
@@ -49,7 +49,7 @@ class PageTable:
 
     def reserve(self, slot: int, length: int) -> None:
         """Give the slot pages for its positions [0, length) (at most a slot's worth)."""
-        need = min(-(-length // self.page_size), self.pages_per_slot) - len(self.held[slot])
+        need = min(self.pages_for(length), self.pages_per_slot) - len(self.held[slot])
         for _ in range(need):
             page = self._free.pop()  # never empty: see the module's docstring
             self._holders[page] = 1
@@ -62,6 +62,10 @@ class PageTable:
             if self._holders[page] == 0:
                 self._free.append(page)
         self.held[slot] = []
+
+    def pages_for(self, positions: int) -> int:
+        """The pages that hold `positions` positions."""
+        return -(-positions // self.page_size)
 
     def positions(self, slot: int) -> int:
         """The positions the slot's pages hold."""
