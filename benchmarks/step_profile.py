@@ -25,7 +25,8 @@ import jax
 import numpy as np
 
 from jaxllama.engine import kvcache
-from jaxllama.engine.engine import LAYERS_PER_PROGRAM, Engine
+from jaxllama.engine.engine import Engine
+from jaxllama.engine.options import LAYERS_PER_PROGRAM
 from jaxllama.engine.request import Request, SamplingParams
 
 

@@ -32,8 +32,8 @@ from jaxllama.core.config import STORAGE_DTYPES, ModelConfig
 from jaxllama.core.model import forward, sequence_logits
 from jaxllama.core.params import abstract_stored, activation_dtype_of, as_blocks, product_form
 from jaxllama.engine import kvcache, memory, prepared
-from jaxllama.engine.buckets import DEFAULT_SLOTS
-from jaxllama.engine.engine import Engine, check_options
+from jaxllama.engine.engine import Engine
+from jaxllama.engine.options import EngineOptions
 from jaxllama.engine.programs import preload_imports
 from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir, prepared_cache
@@ -83,12 +83,8 @@ class LLM:
         tokenizer: Tokenizer,
         template: ChatTemplate,
         eos_ids: Iterable[int],
+        options: EngineOptions | None = None,
         *,
-        max_slots: int = DEFAULT_SLOTS,
-        max_context: int | None = None,
-        decode_steps: int | None = None,
-        quantize: str | None = None,
-        kv_cache_dtype: str | None = None,
         path: Path | None = None,
         donate_params: bool = False,
         ops=None,
@@ -96,19 +92,8 @@ class LLM:
         self.config, self.mesh = config, mesh
         self.tokenizer, self.template, self.eos_ids = tokenizer, template, frozenset(eos_ids)
         self.path = path
-        self.engine = Engine(
-            config,
-            params,
-            mesh,
-            eos_ids=self.eos_ids,
-            max_slots=max_slots,
-            max_context=max_context,
-            decode_steps=decode_steps or _default_decode_steps(mesh),
-            quantize=quantize,
-            kv_cache_dtype=kv_cache_dtype,
-            donate_params=donate_params,
-            ops=ops,
-        )
+        options = options or EngineOptions()
+        self.engine = Engine(config, params, mesh, options, eos_ids=self.eos_ids, donate_params=donate_params, ops=ops)
         self.params = self.engine.params  # the weights the engine runs: prepared for its backend, no other copy
         self.generation = Generation(self.engine, tokenizer)
         self.grammars = GrammarCompiler(tokenizer, config.vocab_size, self.eos_ids)
@@ -127,19 +112,18 @@ class LLM:
         chat_template: str | None = None,
         eos_ids: Iterable[int] | None = None,
         extra_eos_ids: Iterable[int] = (),
-        max_slots: int = DEFAULT_SLOTS,
-        max_context: int | None = None,
-        decode_steps: int | None = None,
-        quantize: str | None = None,
-        kv_cache_dtype: str | None = None,
+        options: EngineOptions | None = None,
         compilation_cache: bool = True,
         keep_prepared: bool | None = None,
+        **engine_options,
     ) -> LLM:
         """Load a converted checkpoint (None: the default model) onto a mesh ('data=2,model=4'; default:
         chosen from the devices). `dtype`: None (default) runs the weights as the checkpoint stores them (bfloat16 as
         bfloat16, Q8_0/Q4_0 blocks as blocks); 'float32', 'bfloat16' or 'float16' converts every weight to it once,
         while loading (blocks dequantized). `chat_template`: a built-in name or a .jinja file instead of the
-        checkpoint's. `eos_ids` replaces the end-of-generation set; `extra_eos_ids` extends it. `quantize`:
+        checkpoint's. `eos_ids` replaces the end-of-generation set; `extra_eos_ids` extends it. `options`
+        (`EngineOptions`), with any of its fields given here as keywords replacing its own, size and run the engine:
+        `max_slots` requests at once, `max_context` positions each, `decode_steps` tokens per decode call. `quantize`:
         generate with int8 weights in blocks of 32 (llama.cpp's Q8_0), on one CPU device: 'q8_0' multiplies them by
         the inputs in int16, 'w8a8' by the inputs in int8 (as llama.cpp does; fastest on CPUs with AVX-512 VNNI);
         'int8', on XLA's path (accelerators, a CPU mesh), int8 weights with a scale per output channel;
@@ -152,7 +136,7 @@ class LLM:
         unless the environment sets JAXLLAMA_KEEP_PREPARED=0)."""
         from jaxllama.default_model import resolve_model
 
-        check_options(quantize, kv_cache_dtype)  # before a long load
+        options = dataclasses.replace(options or EngineOptions(), **engine_options)  # checked before a long load
         check_dtype(dtype)
         skip_absent_tpu()
         if compilation_cache:
@@ -166,15 +150,13 @@ class LLM:
         # checkpoint are kept: it was checked then.
         stored = load_config(path, check=digest is None or not prepared.checked(kept, digest))
         config = stored.with_dtype(jnp.dtype(dtype).name) if dtype is not None else stored  # as restored
-        cache_dtype = kvcache.dtype(kv_cache_dtype, activation_dtype_of(config))
-        where = memory.plan(
-            config, jax.devices(), mesh, max_slots, max_context, cache_dtype, stored=stored, quantize=quantize
-        )
+        cache_dtype = kvcache.dtype(options.kv_cache_dtype, activation_dtype_of(config))
+        where = memory.plan(config, jax.devices(), mesh, options, cache_dtype, stored=stored)
         mesh, form, run_config = where.mesh, product_form(config), where.config
-        ops = backends.choose(mesh, form, kernel_dir(), quantize=quantize)
+        ops = backends.choose(mesh, form, kernel_dir(), quantize=options.quantize)
         if where.footprint is None:  # a CPU: the host's memory
             memory.check_host(config, ops, form, mesh, stored=stored)
-        elif max_context is None and where.context < config.max_seq_len:
+        elif options.max_context is None and where.context < config.max_seq_len:
             log.info(
                 "context: %d positions (what fits beside the weights; the model's is %d)",
                 where.context,
@@ -199,11 +181,7 @@ class LLM:
             tokenizer,
             template,
             eos,
-            max_slots=max_slots,
-            max_context=where.context,
-            decode_steps=decode_steps,
-            quantize=quantize,
-            kv_cache_dtype=kv_cache_dtype,
+            dataclasses.replace(options, max_context=where.context),
             path=Path(path),
             ops=ops,
         )
@@ -214,24 +192,25 @@ class LLM:
         *,
         topology: str | None = None,
         mesh: str | dict | None = None,
-        max_slots: int = DEFAULT_SLOTS,
-        max_context: int | None = None,
         dtype=None,
         quantize: str | None = None,
-        kv_cache_dtype: str | None = None,
         prefills: Sequence[tuple[int, int]] | None = None,
+        options: EngineOptions | None = None,
+        **engine_options,
     ):
         """Compile the engine for a target without its weights and report whether the model fits and how fast it
         would decode (`engine/aot.py`): `model` a known shape name (`core/shapes.py`: "llama-3.1-8b"), a
         checkpoint (only its config is read) or a config; `topology` a TPU slice such as "v5e:2x4" (needs libtpu),
         default the local devices. `dtype` converts every weight; `quantize` "int8" quantizes every product's weight
-        at load (a scale per output channel), "q8_0" or "q4_0" stores it as blocks. Returns an `aot.EngineReport`
+        at load (a scale per output channel), "q8_0" or "q4_0" stores it as blocks. `options` (`EngineOptions`, its
+        fields also given as keywords: `max_slots`, `max_context`, `kv_cache_dtype`) size the engine. Returns an
+        `aot.EngineReport`
         (`.table()`, `.to_json()`); raises ModelTooLarge, with the figures, where no mesh fits."""
         from jaxllama.core.shapes import SHAPES, known_shape
         from jaxllama.default_model import resolve_model
         from jaxllama.engine import aot
 
-        check_options(None, kv_cache_dtype)
+        options = dataclasses.replace(options or EngineOptions(decode_steps=1), **engine_options)
         if isinstance(model, ModelConfig):
             config = model
         elif isinstance(model, str) and known_shape(model) is not None:
@@ -246,17 +225,8 @@ class LLM:
         if quantize is not None and quantize != "int8":
             config = aot.quantized(config, quantize)
         devices, target = aot.target_devices(topology)
-        return aot.compile_engine(
-            config,
-            devices,
-            target=target,
-            mesh=mesh,
-            max_slots=max_slots,
-            max_context=max_context,
-            kv_cache_dtype=kv_cache_dtype,
-            prefills=prefills,
-            quantize="int8" if quantize == "int8" else None,
-        )
+        options = dataclasses.replace(options, quantize="int8" if quantize == "int8" else None)
+        return aot.compile_engine(config, devices, options, target=target, mesh=mesh, prefills=prefills)
 
     @property
     def name(self) -> str:
@@ -536,12 +506,6 @@ def _repeat_kv_heads(params, config: ModelConfig, run_config: ModelConfig, mesh)
         return params
     layer = as_blocks(abstract_stored(run_config, mesh), run_config)["layers_0"]
     return kv_groups.repeat_on_mesh(params, config, r, jax.tree.map(lambda x: x.sharding, layer))
-
-
-def _default_decode_steps(mesh) -> int:
-    """Decode steps per host round trip: on an accelerator several (host overhead is large against a step);
-    on the CPU one (the step dominates, and finished slots are refilled sooner)."""
-    return 1 if mesh.devices.flat[0].platform == "cpu" else 8
 
 
 def _token_rows(token_ids, vocab_size: int, max_len: int) -> list[np.ndarray]:

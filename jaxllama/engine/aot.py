@@ -33,6 +33,7 @@ from jaxllama.core.params import (
 from jaxllama.engine import buckets, hlo, kvcache, memory
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.interface import PrefillRow
+from jaxllama.engine.options import EngineOptions
 from jaxllama.engine.programs import Compiled
 from jaxllama.engine.request import Request, SamplingParams
 from jaxllama.errors import ModelTooLarge
@@ -256,39 +257,27 @@ def quantized(config: ModelConfig, form: str) -> ModelConfig:
 def compile_engine(
     config: ModelConfig,
     devices: Sequence,
+    options: EngineOptions | None = None,
     *,
     target: str,
     mesh: str | dict | None = None,
-    max_slots: int = buckets.DEFAULT_SLOTS,
-    max_context: int | None = None,
-    kv_cache_dtype: str | None = None,
     prefills: Sequence[tuple[int, int]] | None = None,
-    layers_per_program: int | None = None,
-    quantize: str | None = None,
+    **fields,
 ) -> EngineReport:
-    """Compile the engine's programs for `config` (as restored) on `devices` and report them (see the module's
-    docstring). `prefills`: (rows, prompt tokens) of the prefills to compile; default one row of the whole
-    context and min(8, slots) rows of 512 tokens. ModelTooLarge before compiling anything where no mesh fits."""
+    """Compile the engine's programs for `config` (as restored) on `devices` with `options` (fields given as keywords
+    replace its own; one decode step per call unless they say otherwise) and report them (see the module's
+    docstring). `prefills`: (rows, prompt tokens) of the prefills to compile; default one row of the whole context
+    and min(8, slots) rows of 512 tokens. ModelTooLarge before compiling anything where no mesh fits."""
     started = time.perf_counter()
-    cache_dtype = kvcache.dtype(kv_cache_dtype, activation_dtype_of(config))
-    where = memory.plan(config, devices, mesh, max_slots, max_context, cache_dtype, quantize=quantize)
+    options = dataclasses.replace(options or EngineOptions(decode_steps=1), **fields)
+    cache_dtype = kvcache.dtype(options.kv_cache_dtype, activation_dtype_of(config))
+    where = memory.plan(config, devices, mesh, options, cache_dtype)
     memory.check_plan(where)
     own = config  # the model's own KV heads: what no implementation can avoid reading
     config = where.config  # its KV heads repeated where the model axis asks (`core/kv_groups.py`)
     params = as_blocks(abstract_stored(config, where.mesh), config)
-    options = {} if layers_per_program is None else {"layers_per_program": layers_per_program}
-    engine = Engine(
-        config,
-        params,
-        where.mesh,
-        eos_ids=[0],
-        max_slots=max_slots,
-        max_context=where.context,
-        kv_cache_dtype=kv_cache_dtype,
-        quantize=quantize,
-        abstract=True,
-        **options,
-    )
+    options = dataclasses.replace(options, max_context=where.context)
+    engine = Engine(config, params, where.mesh, options, eos_ids=[0], abstract=True)
     device, programs = engine.device, engine.device.programs
     phases: dict[str, list[Compiled]] = {}
 

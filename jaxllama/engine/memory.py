@@ -37,6 +37,7 @@ from jaxllama.core.ops import XLA, Ops
 from jaxllama.core.params import abstract_stored, as_blocks, product_form, stored_arrays_of, stored_bytes
 from jaxllama.core.sharding import make_mesh, model_axes, parse_mesh
 from jaxllama.engine import buckets, kvcache
+from jaxllama.engine.options import EngineOptions
 from jaxllama.errors import ModelTooLarge
 
 # What a running engine holds besides its weights, cache and state (compiled programs, temporaries, the runtime's
@@ -125,16 +126,14 @@ def plan(
     config: ModelConfig,
     devices,
     spec: str | dict | None,
-    max_slots: int,
-    max_context: int | None,
+    options: EngineOptions,
     cache_dtype,
     stored: ModelConfig | None = None,
-    quantize: str | None = None,
 ) -> Plan:
-    """The mesh, slots and context to run `config` with on `devices` (see the module's docstring), its weights
-    quantized at load as `quantize` says ("int8": `core/int8_weights.py`); ModelTooLarge, with the bytes needed and
-    the bytes there are, where nothing fits."""
-    devices = list(devices)
+    """The mesh, slots and context to run `config` with on `devices` (see the module's docstring) for the engine's
+    `options` (its slots and context; its weights quantized at load as `options.quantize` says, "int8":
+    `core/int8_weights.py`); ModelTooLarge, with the bytes needed and the bytes there are, where nothing fits."""
+    devices, max_slots, max_context, quantize = list(devices), options.max_slots, options.max_context, options.quantize
     ops = Ops(int8_weights=backends.int8_at_load(product_form(config), devices[0].platform, quantize))
     memory = memory_of(devices[0])
     if memory is None:  # a CPU: the host's memory, checked by `check_host`

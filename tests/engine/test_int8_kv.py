@@ -74,7 +74,7 @@ def test_a_stored_prefix_gives_the_numbers_computed_afresh(tiny):
     fresh = _logprobs(_xla_engine(tiny, max_slots=4), _greedy("b", second))
     engine = _xla_engine(tiny, max_slots=4)
     _logprobs(engine, _greedy("a", first, 4))
-    assert engine.prefixes.best(second)[1] >= 20
+    assert engine.scheduler.prefixes.best(second)[1] >= 20
     np.testing.assert_allclose(_logprobs(engine, _greedy("b", second)), fresh, rtol=1e-5)  # to XLA's rounding
 
 

@@ -132,12 +132,12 @@ def test_a_prefix_is_read_from_the_pages_that_hold_it(tiny, dtype):
     fresh = _logprobs(_paged(tiny, max_slots=4, kv_cache_dtype=dtype), _greedy("b", second))
     engine = _paged(tiny, max_slots=4, kv_cache_dtype=dtype)
     _logprobs(engine, _greedy("a", first, 4))
-    source, start = engine.prefixes.best(second)
+    source, start = engine.scheduler.prefixes.best(second)
     assert start == 24  # the 30 shared tokens' whole pages
     pages = engine.device.pages
     engine.add(_greedy("long", first, 40))  # its slot busy: "b" takes another slot, and the prefix's pages
     engine.step()
-    busy = next(s for s in range(4) if s in engine.active)
+    busy = next(s for s in range(4) if s in engine.scheduler.active)
     updates = list(engine.generate([_greedy("b", second)]))
     assert [u.cached_tokens for u in updates if u.finish_reason and u.id == "b"] == [24]
     slot = next(s for s in range(4) if s not in (busy, source) and pages.held[s])

@@ -115,5 +115,5 @@ def test_a_float16_cache_gives_the_same_numbers_from_a_stored_prefix_as_computed
     fresh = _logprobs(_engine(tiny, max_slots=4, kv_cache_dtype="float16"), _greedy("b", second))
     engine = _engine(tiny, max_slots=4, kv_cache_dtype="float16")
     _logprobs(engine, _greedy("a", first, 4))
-    assert engine.prefixes.best(second)[1] >= 20  # the second prompt starts from the first's slot
+    assert engine.scheduler.prefixes.best(second)[1] >= 20  # the second prompt starts from the first's slot
     assert _logprobs(engine, _greedy("b", second)) == fresh
