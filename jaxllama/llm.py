@@ -38,7 +38,7 @@ from jaxllama.engine.programs import preload_imports
 from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir, prepared_cache
 from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
-from jaxllama.generation import Event, Generation, Result
+from jaxllama.generation import Generation
 from jaxllama.protocol.requests import (
     OUTPUT_FORMAT_FIELDS,
     SAMPLING_FIELDS,
@@ -47,6 +47,7 @@ from jaxllama.protocol.requests import (
     samples,
     sampling_params,
 )
+from jaxllama.results import Event, Result
 from jaxllama.text.chat_template import ChatTemplate, encode_chat
 from jaxllama.text.conversation import validate_messages
 from jaxllama.text.end_of_generation import end_of_generation_ids, load_generation_config

@@ -9,11 +9,11 @@ import pytest
 
 from jaxllama import errors as E
 from jaxllama.engine.request import SamplingParams, Timings
-from jaxllama.generation import Result
 from jaxllama.protocol import errors, responses
 from jaxllama.protocol.logprobs import answer_logprobs
 from jaxllama.protocol.pipeline import RequestPipeline
 from jaxllama.protocol.requests import REQUEST_FIELDS, SAMPLING_FIELDS, output_options, parse_body, sampling_params
+from jaxllama.results import Result
 from jaxllama.text.chat_template import ChatTemplate, ChatTemplateError
 from jaxllama.text.conversation import ConversationError
 from jaxllama.text.structured import OutputFormat

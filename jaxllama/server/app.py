@@ -33,11 +33,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxllama.engine.request import SamplingParams
 from jaxllama.errors import ClientClosed, EngineUnavailable, InvalidRequest, QueueFull
-from jaxllama.generation import Event, Result
 from jaxllama.protocol import answers, errors, responses
 from jaxllama.protocol.logprobs import piece_logprobs
 from jaxllama.protocol.pipeline import PreparedRequest, RequestPipeline
 from jaxllama.protocol.requests import ENDPOINTS, lone_surrogate_text
+from jaxllama.results import Event, Result
 from jaxllama.server.metrics import Metrics
 from jaxllama.server.worker import EngineWorker, RequestStream
 

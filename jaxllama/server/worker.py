@@ -24,7 +24,8 @@ from collections.abc import Callable
 
 from jaxllama.engine.request import SamplingParams
 from jaxllama.errors import EngineUnavailable, InvalidParameter, QueueFull
-from jaxllama.generation import Event, Generation
+from jaxllama.generation import Generation
+from jaxllama.results import Event
 
 __all__ = ["EngineUnavailable", "EngineWorker", "QueueFull", "RequestStream"]
 

@@ -126,7 +126,12 @@ def _finished(live, reason: str) -> float:
 
 def _idle(live) -> bool:
     llm = live.llm
-    return live.worker.in_flight == 0 and not llm.engine.scheduler.active and not llm.engine.scheduler.queue and not llm.generation.pending
+    return (
+        live.worker.in_flight == 0
+        and not llm.engine.scheduler.active
+        and not llm.engine.scheduler.queue
+        and not llm.generation.pending
+    )
 
 
 def test_a_stream_closed_by_its_client_frees_its_slot(live):
