@@ -97,7 +97,7 @@ def main(
                 "model": model,
                 "quantize": quantize,
                 "kv_cache_dtype": kv_cache_dtype,
-                "slots": engine.device.slots,
+                "slots": engine.runner.slots,
                 "context": plan.context,
                 "wall_s": wall,
                 "decode_step_s": step_s,

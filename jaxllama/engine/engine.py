@@ -1,5 +1,5 @@
 """`Engine`: a scheduler (`scheduler.py`, plain Python: which requests hold which slots, when to prefill and when to
-decode) driving a model runner (`device.py`, the model's programs on a mesh). The backend is chosen here, once,
+decode) driving a model runner (`model_runner.py`, the model's programs on a mesh). The backend is chosen here, once,
 from the mesh and the weights (`jaxllama.backends.choose`), unless the caller chose it, and the options are resolved
 here for the model, the mesh and the backend (`options.py`).
 
@@ -23,7 +23,7 @@ from jaxllama.core.model import activation_dtype
 from jaxllama.core.ops import Ops
 from jaxllama.core.params import product_form
 from jaxllama.engine import kvcache
-from jaxllama.engine.device import Device
+from jaxllama.engine.model_runner import ModelRunner
 from jaxllama.engine.options import EngineOptions
 from jaxllama.engine.request import FinishReason, Request, Update
 from jaxllama.engine.runtime import kernel_dir
@@ -69,7 +69,7 @@ class Engine:
         page_size = self.ops.page_size(cache_dtype) if data == 1 else 0
         self.options = options.resolved(config.max_seq_len, data, platform, cache_dtype, page_size)
         eos_ids = sorted(set(int(i) for i in eos_ids))
-        device = Device(
+        runner = ModelRunner(
             config,
             params,
             mesh,
@@ -80,18 +80,18 @@ class Engine:
             donate_params=donate_params,
             abstract=abstract,
         )
-        self.device, self.stats, self.params = device, stats, device.params
-        self.scheduler = Scheduler(device, stats)
+        self.runner, self.stats, self.params = runner, stats, runner.params
+        self.scheduler = Scheduler(runner, stats)
 
     # ---- the scheduler's interface ------------------------------------------------------------------
 
     @property
     def slots(self) -> int:
-        return self.device.slots
+        return self.runner.slots
 
     @property
     def max_context(self) -> int:
-        return self.device.max_context
+        return self.runner.max_context
 
     def check(self, request: Request) -> None:
         self.scheduler.check(request)

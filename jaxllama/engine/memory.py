@@ -7,7 +7,7 @@ found out by the kernel's out-of-memory killer or the device's allocator minutes
   one layer being restored must fit in the available memory; the KV cache grows with the sequences in it.
 - On an accelerator each device holds its share: the weights as the mesh splits them (replicated parts in full),
   the KV cache at its final size (the slots times the context, as the mesh splits it), the moment the cache grows
-  (one layer's new copy beside the old cache: `Device.resize`), the decode state, and the largest program's
+  (one layer's new copy beside the old cache: `ModelRunner.resize`), the decode state, and the largest program's
   temporaries (`OVERHEAD` stands for them until the programs are compiled: `engine/aot.py` puts in the compiler's
   own figures). A device's memory is what it says it can hold, else the chip table's (`core/chips.py`), so that a
   compile-only device is sized as the real one.

@@ -1,6 +1,6 @@
 """`EngineOptions`: how an engine is sized and run, as one frozen value. It is made where a user's choices come in
 (a command's flags, `LLM.load`'s keywords), checked once there, and passed whole to the `Engine`, which fills in
-what the model, the mesh and the backend decide (`resolved`) and hands it to the model runner (`Device`).
+what the model, the mesh and the backend decide (`resolved`) and hands it to the model runner (`ModelRunner`).
 
     options = EngineOptions(max_slots=16, kv_cache_dtype="bfloat16")  # ValueError here for a bad value
     engine = Engine(config, params, mesh, options, eos_ids=[2])

@@ -54,7 +54,7 @@ def test_the_engine_decodes_through_an_int8_cache_batch_invariant(tiny):
     XLA's rounding, which differs with the products' row counts: exact batch invariance is the CPU kernels')."""
     config, params = tiny
     engine = _xla_engine(tiny, max_slots=8)
-    assert engine.device.cache[0][0].values.dtype == jnp.int8
+    assert engine.runner.cache[0][0].values.dtype == jnp.int8
     prompts = random_prompts(6, seed=4)
     tokens, _ = run(engine, [_greedy(i, p) for i, p in enumerate(prompts)])
     agree = [tokens[i] == reference_greedy(config, params, p, 12) for i, p in enumerate(prompts)]

@@ -1,4 +1,4 @@
-"""The engine's device half: the weights as the backend's products read them, the decode slots' KV cache and state,
+"""The engine's model runner: the weights as the backend's products read them, the decode slots' KV cache and state,
 and the compiled programs that advance them. A narrow interface in the spirit of JetStream's engine API:
 
 - `prefill(rows)`: compute prompts (or the part of them past a prefix another slot holds), insert them into decode
@@ -16,7 +16,7 @@ scheduler's business (`scheduler.py`). Multi-host: host inputs become global arr
 replicated, so every process gets the same answers.
 
 Nothing runs on a device until the first call: the decode state is made then, and the cache on a thread (one
-process) or then. An `abstract` device holds ShapeDtypeStructs instead of arrays (weights, state, cache) and its
+process) or then. An `abstract` runner holds ShapeDtypeStructs instead of arrays (weights, state, cache) and its
 calls compile each program they would run and return nothing (`engine/aot.py`), so that the engine's programs can
 be compiled for devices that cannot run them (a TPU topology described on a CPU host).
 """
@@ -52,9 +52,10 @@ MAX_STOP_IDS = 32  # end-of-generation ids a slot can hold: the model's and the 
 _ALLOCATOR = ThreadPoolExecutor(1, thread_name_prefix="jaxllama-kv-cache")
 
 
-class Device:
+class ModelRunner:
     """Runs the model for `options.max_slots` decode slots on a mesh, with the backend's operations `ops`; keeps
-    `interface.DeviceInterface`. Not thread-safe. `options`: resolved (`EngineOptions.resolved`), every field given.
+    `interface.ModelRunnerInterface`. Not thread-safe. `options`: resolved (`EngineOptions.resolved`), every field
+    given.
     `donate_params`: preparing the weights may free the given ones it replaced. `abstract`: `params` are
     ShapeDtypeStructs and the programs are only compiled (`engine/aot.py`)."""
 
@@ -390,7 +391,7 @@ class _PrefillBatch:
     OUTPUT_ARGS = ("starts", "lengths", "slots", "seen", "sampling", "max_tokens", "limits", "stop_ids", "mask")
 
     @staticmethod
-    def of(rows: Sequence[PrefillRow], device: Device, masked: bool = False) -> _PrefillBatch:
+    def of(rows: Sequence[PrefillRow], device: ModelRunner, masked: bool = False) -> _PrefillBatch:
         """`masked`: the first tokens are drawn under bitmasks (then [n, mask_words] of ones until given)."""
         q = buckets.prompt_bucket(max(len(r.tokens) for r in rows), device.max_context)
         fresh = all(r.start == 0 for r in rows)
