@@ -37,8 +37,8 @@ from jaxllama.engine.options import EngineOptions
 from jaxllama.engine.programs import preload_imports
 from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir, prepared_cache
+from jaxllama.engine.stats import EngineStats
 from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
-from jaxllama.generation import Generation
 from jaxllama.protocol.requests import (
     OUTPUT_FORMAT_FIELDS,
     SAMPLING_FIELDS,
@@ -54,6 +54,7 @@ from jaxllama.text.end_of_generation import end_of_generation_ids, load_generati
 from jaxllama.text.loading import load_tokenizer
 from jaxllama.text.structured import Grammar, GrammarCompiler, OutputFormat
 from jaxllama.text.tokenizer import Tokenizer
+from jaxllama.text_engine import TextEngine
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class LLM:
         options = options or EngineOptions()
         self.engine = Engine(config, params, mesh, options, eos_ids=self.eos_ids, donate_params=donate_params, ops=ops)
         self.params = self.engine.params  # the weights the engine runs: prepared for its backend, no other copy
-        self.generation = Generation(self.engine, tokenizer)
+        self.text_engine = TextEngine(self.engine, tokenizer)
         self.grammars = GrammarCompiler(tokenizer, config.vocab_size, self.eos_ids)
         self._next_id = 0
         # The events of each call still running (a stream not yet read to its end, say), by request id: whichever
@@ -233,6 +234,21 @@ class LLM:
     def name(self) -> str:
         """The model's name in answers and records: its checkpoint folder's name, or "jaxllama"."""
         return self.path.name if self.path else "jaxllama"
+
+    @property
+    def slots(self) -> int:
+        """Requests the engine generates for at once."""
+        return self.engine.slots
+
+    @property
+    def max_context(self) -> int:
+        """Positions a request may hold: its prompt and what it generates."""
+        return self.engine.max_context
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's counters and times since the model loaded."""
+        return self.engine.stats
 
     # ---- research --------------------------------------------------------------------------------
 
@@ -375,7 +391,7 @@ class LLM:
         request_ids = []
         for prompt in prompts:
             request_ids.append(self._new_id())
-            self.generation.submit(request_ids[-1], prompt, params)
+            self.text_engine.submit(request_ids[-1], prompt, params)
         with contextlib.closing(self._events(request_ids)) as events:
             results = {e.id: e.result for e in events if e.result is not None}
         out = []
@@ -406,7 +422,7 @@ class LLM:
         request_ids = []
         for prompt_ids in ids:
             rid = self._new_id()
-            self.generation.submit(rid, prompt_ids, params, stop, include_stop, logprobs, grammar=grammar, n=n)
+            self.text_engine.submit(rid, prompt_ids, params, stop, include_stop, logprobs, grammar=grammar, n=n)
             request_ids.append(rid)
         results = {r: [None] * n for r in request_ids}
         with contextlib.closing(self._events(request_ids)) as events:  # closed early: the rest are cancelled
@@ -420,7 +436,7 @@ class LLM:
 
     def _stream(self, prompt_ids, params, stop, include_stop, grammar=None) -> Iterator[str]:
         rid = self._new_id()
-        self.generation.submit(rid, prompt_ids, params, stop, include_stop, grammar=grammar)
+        self.text_engine.submit(rid, prompt_ids, params, stop, include_stop, grammar=grammar)
         with contextlib.closing(self._events([rid])) as events:
             for event in events:
                 if event.result is not None and event.result.error is not None:
@@ -438,9 +454,9 @@ class LLM:
         try:
             while open_ids:
                 while not inbox:
-                    if not self.generation.has_work():  # never, unless a request was dropped without its events
+                    if not self.text_engine.has_work():  # never, unless a request was dropped without its events
                         raise RuntimeError(f"the engine has no work left for requests {sorted(open_ids)}")
-                    for event in self.generation.step():
+                    for event in self.text_engine.step():
                         owner = self._inboxes.get(event.id)
                         if owner is not None:
                             owner.append(event)
@@ -452,8 +468,8 @@ class LLM:
         finally:
             for rid in open_ids:
                 self._inboxes.pop(rid, None)
-                if self.generation.running(rid):
-                    self.generation.cancel(rid)
+                if self.text_engine.running(rid):
+                    self.text_engine.cancel(rid)
 
     def _new_id(self) -> str:
         self._next_id += 1

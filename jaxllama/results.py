@@ -1,6 +1,6 @@
 """What a request's generation gives back: `Result`, a finished request (one sample), and `Event`, a piece of one as
 it streams; `usage`, OpenAI's token counts of an answer. Plain values, below every layer that makes them
-(`generation.py`) or formats them (`protocol/`, the batch runner's records, the server).
+(`text_engine.py`) or formats them (`protocol/`, the batch runner's records, the server).
 """
 
 from __future__ import annotations

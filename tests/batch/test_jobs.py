@@ -184,12 +184,12 @@ def test_job_lines_end_at_newline_only_and_bad_bytes_cost_their_line(tmp_path):
 
 
 class Engineless:
-    """Stands in for `LLM.generation`: refuses a prompt with a fault that no check expects."""
+    """Stands in for `LLM.text_engine`: refuses a prompt with a fault that no check expects."""
 
     name = "none"
 
     def __init__(self):
-        self.generation = self
+        self.text_engine = self
         self.submitted = []
 
     def submit(self, rid, prompt, params, stop, logprobs=False, priority=0, grammar=None, n=1):

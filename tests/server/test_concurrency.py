@@ -130,7 +130,7 @@ def _idle(live) -> bool:
         live.worker.in_flight == 0
         and not llm.engine.scheduler.active
         and not llm.engine.scheduler.queue
-        and not llm.generation.pending
+        and not llm.text_engine.pending
     )
 
 

@@ -1,6 +1,6 @@
 """From engine tokens to text: incremental detokenization, stop strings, and the result of each request.
 
-`Generation` wraps an `Engine` for the user-facing layers (the `LLM` API, the batch runner, the server):
+`TextEngine` wraps an `Engine` for the user-facing layers (the `LLM` API, the batch runner, the server):
 requests go in as token ids with sampling parameters and stop strings; text deltas and finished
 `Result`s come out. A stop string ends the request in the engine at once (`Engine.finish` with the string as its
 reason), freeing its slot.
@@ -39,7 +39,7 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return (seed + index * 0x9E3779B97F4A7C15) % (1 << 63)
 
 
-class _Text:
+class _ChoiceText:
     """One request's text: incremental detokenizer followed by the stop-string stream."""
 
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], include_stop: bool):
@@ -75,7 +75,7 @@ class _Text:
 
 @dataclasses.dataclass
 class _Pending:
-    text: _Text
+    text: _ChoiceText
     prompt_tokens: int
     want_logprobs: bool
     params: SamplingParams
@@ -86,7 +86,7 @@ class _Pending:
     started: bool = False  # its first event has gone out
 
 
-class Generation:
+class TextEngine:
     """Drives an engine for requests given as token ids; not thread-safe (one thread calls `step`)."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer):
@@ -118,7 +118,7 @@ class Generation:
             raise InvalidParameter(
                 "min_tokens: not with structured output, whose grammar decides where it ends", "min_tokens"
             )
-        _Text(self.tokenizer, stop, include_stop)  # validates the stop strings
+        _ChoiceText(self.tokenizer, stop, include_stop)  # validates the stop strings
         requests = []
         for i in range(n):
             choice = dataclasses.replace(params, seed=choice_seed(params.seed, i))
@@ -130,7 +130,7 @@ class Generation:
         for i, r in enumerate(requests):
             self.engine.add(r)
             self.pending[r.id] = _Pending(
-                _Text(self.tokenizer, stop, include_stop), len(prompt), logprobs, params, False, id, i
+                _ChoiceText(self.tokenizer, stop, include_stop), len(prompt), logprobs, params, False, id, i
             )
         self._choices[id] = [r.id for r in requests]
 
