@@ -48,10 +48,11 @@ from jaxllama.protocol.requests import (
     sampling_params,
 )
 from jaxllama.results import Event, Result
-from jaxllama.text.chat_template import ChatTemplate, encode_chat
+from jaxllama.text.chat_template import ChatTemplate
 from jaxllama.text.conversation import validate_messages
 from jaxllama.text.end_of_generation import end_of_generation_ids, load_generation_config
 from jaxllama.text.loading import load_tokenizer
+from jaxllama.text.prompts import PromptEncoder
 from jaxllama.text.structured import Grammar, GrammarCompiler, OutputFormat
 from jaxllama.text.tokenizer import Tokenizer
 from jaxllama.text_engine import TextEngine
@@ -98,7 +99,8 @@ class LLM:
         self.engine = Engine(config, params, mesh, options, eos_ids=self.eos_ids, donate_params=donate_params, ops=ops)
         self.params = self.engine.params  # the weights the engine runs: prepared for its backend, no other copy
         self.text_engine = TextEngine(self.engine, tokenizer)
-        self.grammars = GrammarCompiler(tokenizer, config.vocab_size, self.eos_ids)
+        grammars = GrammarCompiler(tokenizer, config.vocab_size, self.eos_ids)
+        self.prompts = PromptEncoder(tokenizer, template, grammars, config.vocab_size)  # what request pipelines use
         self._next_id = 0
         # The events of each call still running (a stream not yet read to its end, say), by request id: whichever
         # call steps the engine hands every event to the call that owns it.
@@ -291,23 +293,22 @@ class LLM:
     def encode_chat(self, messages, **kwargs) -> list[int]:
         """The prompt token ids of a conversation: the chat template applied (with the generation prompt),
         then tokenized."""
-        return encode_chat(self.tokenizer, self.template, validate_messages(messages), **kwargs)
+        return self.prompts.encode_chat(messages, **kwargs)
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """The prompt token ids of a plain text prompt: BOS in front if the model's tokenizer adds one (or as
         `add_bos` says); special-token text in `text` stays plain text."""
-        add_bos = self.tokenizer.add_bos if add_bos is None else add_bos
-        return self.tokenizer.encode(text, add_bos=add_bos, allow_special=False)
+        return self.prompts.encode(text, add_bos=add_bos)
 
     def grammar(self, output: OutputFormat, params: SamplingParams) -> Grammar:
         """The grammar a request's text must match (structured output), with the request's own stop ids; raises
         InvalidParameter for a schema, regular expression or grammar that cannot be compiled."""
-        return self.grammars.compile(output, params.stop_token_ids)
+        return self.prompts.grammar(output, params.stop_token_ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids (special tokens included); raises InvalidParameter for an id outside the
         vocabulary."""
-        return self.tokenizer.decode(_token_row(0, list(ids), self.config.vocab_size, self.config.max_seq_len))
+        return self.prompts.decode(ids)
 
     # ---- generation ------------------------------------------------------------------------------
 

@@ -94,7 +94,7 @@ def run_job(
         if write:
             _prepare_output(output, settings, overwrite)
         found = _plan(lines, load_records(output) if write else {}, retry_errors, stats)
-        pipeline = RequestPipeline(llm, defaults, tuple(stop), system_prompt, output_options=False)
+        pipeline = RequestPipeline(llm.prompts, defaults, tuple(stop), system_prompt, output_options=False)
         progress = Progress(len(found.todo), quiet=quiet, initial_skipped=stats.skipped, retried=stats.retried)
         with OrderedWriter(output if write else None, *_order(lines, found)) as writer:
             batch = _JobOnEngine(llm, pipeline, writer, stats, progress)

@@ -65,7 +65,7 @@ def create_app(
     metrics = Metrics()
     worker = EngineWorker(llm.text_engine, slots=llm.slots, max_queue=max_queue, metrics=metrics)
     metrics.watch_load(lambda: worker.running, lambda: worker.waiting)
-    pipeline = RequestPipeline(llm, SamplingParams(max_tokens=max_tokens or llm.max_context))
+    pipeline = RequestPipeline(llm.prompts, SamplingParams(max_tokens=max_tokens or llm.max_context))
     handlers = OpenAIHandlers(llm, model_name or llm.name, pipeline, worker, metrics)
 
     @contextlib.asynccontextmanager
