@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from jaxllama.protocol import responses
 from jaxllama.protocol.logprobs import answer_logprobs
 from jaxllama.protocol.pipeline import PreparedRequest
+from jaxllama.results import usage as usage_of
 
 if TYPE_CHECKING:
     from jaxllama.results import Result
@@ -25,5 +26,5 @@ def answer(request: PreparedRequest, results: list[list[Result]], model: str, to
             flat.append(result)
             texts.append(echoed + result.text)
             logprobs.append(answer_logprobs(request.kind, tokenizer, request.options, prompt, result, echoed))
-    total = results.usage(results)
+    total = usage_of(results)
     return responses.completion(request.kind, flat, request.model or model, logprobs=logprobs, texts=texts, usage=total)

@@ -12,6 +12,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
+from jaxllama.results import usage as usage_of
+
 if TYPE_CHECKING:
     from jaxllama.results import Result
 
@@ -50,7 +52,7 @@ def completion(
         "choices": [
             _choice(kind, i, r, lp, text) for i, (r, lp, text) in enumerate(zip(results, logprobs, texts, strict=True))
         ],
-        "usage": usage or results.usage([results]),
+        "usage": usage or usage_of([results]),
         "timings": timings(results[0]),
     }
 
@@ -116,7 +118,7 @@ def usage_chunk(kind: str, id: str, created: int, model: str, result: Result | l
         "created": created,
         "model": model,
         "choices": [],
-        "usage": results.usage([results]),
+        "usage": usage_of([results]),
         "timings": timings(results[0]),
     }
 
