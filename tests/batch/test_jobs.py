@@ -14,6 +14,7 @@ from jaxllama.batch.writer import OrderedWriter
 from jaxllama.engine.request import SamplingParams
 from jaxllama.protocol import errors
 from jaxllama.protocol.pipeline import RequestPipeline
+from tests.helpers.protocol import Characters
 
 OPENAI = {"custom_id": "b1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
 
@@ -84,14 +85,6 @@ def test_error_records_take_the_code_of_the_class_whatever_the_message():
         (ValueError("the context limit is 256"), "invalid_request"),
     ]:
         assert records.failure(line, error)["error"] == {"code": code, "message": str(error), "line": 4}
-
-
-class Characters:
-    def encode(self, text):
-        return [ord(c) for c in text]
-
-    def encode_chat(self, messages):
-        return self.encode("".join(m["content"] for m in messages))
 
 
 @pytest.mark.parametrize(

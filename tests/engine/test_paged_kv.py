@@ -17,8 +17,7 @@ from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.pages import PageTable
 from jaxllama.engine.request import Request, SamplingParams
-from tests.engine.test_engine import EOS, greedy_requests, reference_greedy, run
-from tests.engine.test_prefix import _greedy, _logprobs
+from tests.helpers.engine import EOS, greedy_request, greedy_requests, reference_greedy, run, token_logprobs
 
 
 def _pool(config, pages, page_size, dtype=jnp.float32):
@@ -129,16 +128,16 @@ def test_a_prefix_is_read_from_the_pages_that_hold_it(tiny, dtype):
     rng = np.random.default_rng(6)
     first = rng.integers(3, 131, 30).tolist()
     second = first + rng.integers(3, 131, 9).tolist()
-    fresh = _logprobs(_paged(tiny, max_slots=4, kv_cache_dtype=dtype), _greedy("b", second))
+    fresh = token_logprobs(_paged(tiny, max_slots=4, kv_cache_dtype=dtype), greedy_request("b", second))
     engine = _paged(tiny, max_slots=4, kv_cache_dtype=dtype)
-    _logprobs(engine, _greedy("a", first, 4))
+    token_logprobs(engine, greedy_request("a", first, 4))
     source, start = engine.scheduler.prefixes.best(second)
     assert start == 24  # the 30 shared tokens' whole pages
     pages = engine.runner.pages
-    engine.add(_greedy("long", first, 40))  # its slot busy: "b" takes another slot, and the prefix's pages
+    engine.add(greedy_request("long", first, 40))  # its slot busy: "b" takes another slot, and the prefix's pages
     engine.step()
     busy = next(s for s in range(4) if s in engine.scheduler.active)
-    updates = list(engine.generate([_greedy("b", second)]))
+    updates = list(engine.generate([greedy_request("b", second)]))
     assert [u.cached_tokens for u in updates if u.finish_reason and u.id == "b"] == [24]
     slot = next(s for s in range(4) if s not in (busy, source) and pages.held[s])
     assert pages.held[slot][:3] == pages.held[busy][:3]  # shared, not copied

@@ -11,7 +11,7 @@ import numpy as np
 from jaxllama.engine.interface import LENGTH, RUNNING, STOPPED, Sampled
 from jaxllama.engine.request import Request, SamplingParams
 from jaxllama.engine.scheduler import Scheduler
-from tests.engine.test_engine import run
+from tests.helpers.engine import run
 
 EOS = 99
 

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import CHAT, MAX_QUEUE, MODEL_NAME, PROMPT, SLOTS, wait_until
+from tests.helpers.server import CHAT, MAX_QUEUE, MODEL_NAME, PROMPT, SLOTS, wait_until
 
 
 def _question(i: int) -> list[dict]:

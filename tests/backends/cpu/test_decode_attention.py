@@ -14,7 +14,7 @@ from jaxllama.core.ops import XLA
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.request import Request, SamplingParams
-from tests.engine.conftest import random_prompts, spread_params, tiny_config
+from tests.helpers.engine import random_prompts, spread_params, tiny_config
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
 
