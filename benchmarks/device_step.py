@@ -15,6 +15,7 @@ one JSON object.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -29,6 +30,7 @@ from jaxllama.core.params import init_params
 from jaxllama.core.shapes import known_shape
 from jaxllama.engine import aot, buckets, kvcache, memory
 from jaxllama.engine.engine import Engine
+from jaxllama.engine.options import EngineOptions
 from jaxllama.engine.request import Request, SamplingParams
 
 
@@ -49,20 +51,20 @@ def main(
     skip_absent_tpu()
     devices = jax.devices()
     max_context = buckets.bucket(prompt + max_tokens + 8, config.max_seq_len)  # the cache the job grows to
+    options = EngineOptions(
+        max_slots=max_batch, max_context=max_context, quantize=quantize, kv_cache_dtype=kv_cache_dtype
+    )
     report = aot.compile_engine(
-        config, devices, target=devices[0].device_kind, mesh=mesh, max_slots=max_batch, max_context=max_context,
-        prefills=[(min(8, max_batch), prompt)], quantize=quantize, kv_cache_dtype=kv_cache_dtype,
+        config, devices, dataclasses.replace(options, decode_steps=1), target=devices[0].device_kind, mesh=mesh,
+        prefills=[(min(8, max_batch), prompt)],
     )  # fmt: skip
     cache_dtype = kvcache.dtype(kv_cache_dtype, jnp.bfloat16)
-    plan = memory.plan(config, devices, mesh, max_batch, max_context, cache_dtype, quantize=quantize)
+    plan = memory.plan(config, devices, mesh, options, cache_dtype)
     params = init_params(config, jax.random.key(seed), jnp.bfloat16, plan.mesh)
     r = kv_groups.repeats(config, plan.mesh.shape["model"])
     if r > 1:
         params = kv_groups.repeat_heads(params, config, r)  # on one host: jit places it as the mesh says
-    engine = Engine(
-        plan.config, params, plan.mesh, max_slots=max_batch, max_context=plan.context, quantize=quantize,
-        kv_cache_dtype=kv_cache_dtype, decode_steps=1 if devices[0].platform == "cpu" else 8,
-    )  # fmt: skip
+    engine = Engine(plan.config, params, plan.mesh, dataclasses.replace(options, max_context=plan.context))
     rng = np.random.default_rng(seed)
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -95,7 +97,7 @@ def main(
                 "model": model,
                 "quantize": quantize,
                 "kv_cache_dtype": kv_cache_dtype,
-                "slots": engine.device.slots,
+                "slots": engine.runner.slots,
                 "context": plan.context,
                 "wall_s": wall,
                 "decode_step_s": step_s,

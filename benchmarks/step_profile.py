@@ -25,7 +25,8 @@ import jax
 import numpy as np
 
 from jaxllama.engine import kvcache
-from jaxllama.engine.engine import LAYERS_PER_PROGRAM, Engine
+from jaxllama.engine.engine import Engine
+from jaxllama.engine.options import LAYERS_PER_PROGRAM
 from jaxllama.engine.request import Request, SamplingParams
 
 
@@ -74,7 +75,7 @@ def main(
         quantize=quantize,
         kv_cache_dtype=kv_cache_dtype,
     )
-    timed = engine.device.programs = TimedPrograms(engine.device.programs)
+    timed = engine.runner.programs = TimedPrograms(engine.runner.programs)
     rng = np.random.default_rng(seed)
     if job is not None:
         lines = [json.loads(line) for line in Path(job).read_text().splitlines() if line.strip()]

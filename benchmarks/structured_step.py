@@ -26,7 +26,7 @@ def main(rows: int = 64, max_tokens: int = 30, rounds: int = 2, model: str | Non
     prompts = [llm.encode_chat([{"role": "user", "content": f"Write about topic {i}."}]) for i in range(rows)]
 
     def run(name: str, constrained: bool) -> None:
-        stats = llm.engine.stats
+        stats = llm.stats
         decode_s, tokens, compile_s, start = (
             stats.decode_s,
             stats.generated_tokens,
@@ -35,8 +35,8 @@ def main(rows: int = 64, max_tokens: int = 30, rounds: int = 2, model: str | Non
         )
         for i, prompt in enumerate(prompts):
             params = SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, ignore_eos=True)
-            llm.generation.submit(f"{name}-{i}", prompt, params, grammar=grammar if constrained else None)
-        for _ in llm.generation.run():
+            llm.text_engine.submit(f"{name}-{i}", prompt, params, grammar=grammar if constrained else None)
+        for _ in llm.text_engine.run():
             pass
         rate = (stats.generated_tokens - tokens) / (stats.decode_s - decode_s)
         wall = time.perf_counter() - start - (stats.compile_s - compile_s)

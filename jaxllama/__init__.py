@@ -8,7 +8,7 @@ Layers, each importing only from the ones above it in this list:
 - ``jaxllama.backends`` other implementations of the model's operations, chosen once at load: ``cpu/``, the CPU
   kernels (builds on core; nothing else imports a kernel);
 - ``jaxllama.text``   tokenizers, chat templates, end-of-generation ids, stop strings (plain Python, no jax);
-- ``jaxllama.engine`` the device half (KV cache, sampling, compiled prefill/decode programs) and the scheduler
+- ``jaxllama.engine`` the model runner (KV cache, sampling, compiled prefill/decode programs) and the scheduler
   (continuous batching, plain Python), joined by ``Engine`` (builds on core and backends);
 - ``jaxllama.llm``, ``jaxllama.batch``, ``jaxllama.server``  user-facing APIs (engine + text), with
   ``jaxllama.protocol``, the OpenAI request and response shapes the batch runner and the server share;

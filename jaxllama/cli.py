@@ -33,48 +33,41 @@ CRASHED, INTERRUPTED = 3, 130
 LOAD_ERRORS = (ValueError, OSError, ModelTooLarge)
 
 
-def _common_setup(
-    model,
-    mesh,
-    chat_template,
-    eos_id,
-    max_batch,
-    max_context,
-    coordinator,
-    num_processes,
-    process_id,
-    decode_steps=None,
-    quantize=None,
-    kv_cache_dtype=None,
-    quiet=False,
-    dtype=None,
-):
+def _load(model, options, *, mesh=None, dtype=None, chat_template=None, eos_id=None, quiet=False):
+    """The model a command runs (`model`: a path or None for the default model), its engine sized and run by
+    `options` (`EngineOptions`, checked already: a flag's bad value is refused before anything loads)."""
     from jaxllama.core.config import ModelConfig
     from jaxllama.default_model import resolve_model
-    from jaxllama.engine.engine import check_options
     from jaxllama.engine.runtime import initialize_distributed
     from jaxllama.llm import LLM, check_dtype
 
-    check_options(quantize, kv_cache_dtype)  # before the model is converted or loaded
     check_dtype(dtype)
     _log_to_stderr(logging.WARNING if quiet else logging.INFO)
-    initialize_distributed(coordinator, num_processes, process_id)
+    initialize_distributed()  # a multi-host run by JAX's environment variables, where `run` has not joined one
     path = resolve_model(model, progress=not quiet)
     log.info("loading %s (%.0f M parameters)", path, ModelConfig.load(path).n_params / 1e6)
     llm = LLM.load(
-        path,
-        mesh=mesh,
-        chat_template=chat_template,
-        extra_eos_ids=_as_list(eos_id, int),
-        max_slots=int(max_batch),
+        path, options, mesh=mesh, chat_template=chat_template, extra_eos_ids=_as_list(eos_id, int), dtype=dtype
+    )
+    _warn_if_cpu_mesh(llm)
+    return llm
+
+
+def _engine_options(max_batch, max_context=None, decode_steps=None, quantize=None, kv_cache_dtype=None):
+    """The flags that size and run the engine, as one checked value (ValueError for a bad one)."""
+    from jaxllama.engine.options import EngineOptions
+    from jaxllama.errors import is_int
+
+    if not (is_int(max_batch) and max_batch >= 1):
+        raise ValueError(f"--max-batch {max_batch!r}: must be a positive integer")
+
+    return EngineOptions(
+        max_slots=max_batch,
         max_context=max_context,
         decode_steps=decode_steps,
         quantize=quantize,
         kv_cache_dtype=kv_cache_dtype,
-        dtype=dtype,
     )
-    _warn_if_cpu_mesh(llm)
-    return llm
 
 
 def _log_to_stderr(level: int) -> None:
@@ -196,28 +189,16 @@ def run(
         options = dict(chat_template=chat_template, eos_id=_as_list(eos_id, int), quantize=quantize, dtype=dtype)
         options.update(kv_cache_dtype=kv_cache_dtype, max_context=max_context)
         settings = job_settings(model, defaults, _stops(stop), system_prompt, **options)
+        engine_options = _engine_options(max_batch, max_context, decode_steps, quantize, kv_cache_dtype)
         out_path = Path(output) if output else default_output(job_path)
         initialize_distributed(coordinator, num_processes, process_id)
         # Before the model loads, held until the process ends: one writer per output (process 0 writes it).
         lock = OutputLock(out_path).acquire() if is_main_process() else None
         if not overwrite:  # before the model loads: a resume with other settings is refused at once
             check_settings(out_path, settings)
-        llm = _common_setup(
-            model,
-            mesh,
-            chat_template,
-            eos_id,
-            max_batch,
-            max_context,
-            coordinator,
-            num_processes,
-            process_id,
-            decode_steps,
-            quantize,
-            kv_cache_dtype,
-            quiet=quiet or (process_id or int(os.environ.get("JAX_PROCESS_ID", 0))) != 0,
-            dtype=dtype,
-        )
+        quiet_here = quiet or (process_id or int(os.environ.get("JAX_PROCESS_ID", 0))) != 0
+        loading = dict(mesh=mesh, dtype=dtype, chat_template=chat_template, eos_id=eos_id, quiet=quiet_here)
+        llm = _load(model, engine_options, **loading)
     except LOAD_ERRORS as e:
         _fail(str(e))
     main = is_main_process()
@@ -287,9 +268,9 @@ def serve(
     from jaxllama.server.app import create_app
 
     try:
-        options = {"decode_steps": decode_steps, "quantize": quantize, "kv_cache_dtype": kv_cache_dtype, "dtype": dtype}
-        options["quiet"] = log_level.lower() not in ("debug", "info", "trace")
-        llm = _common_setup(model, mesh, chat_template, eos_id, max_batch, max_context, None, None, None, **options)
+        options = _engine_options(max_batch, max_context, decode_steps, quantize, kv_cache_dtype)
+        quiet = log_level.lower() not in ("debug", "info", "trace")
+        llm = _load(model, options, mesh=mesh, dtype=dtype, chat_template=chat_template, eos_id=eos_id, quiet=quiet)
         app = create_app(llm, model_name=served_model_name, max_queue=max_queue, max_tokens=max_tokens)
     except LOAD_ERRORS as e:
         _fail(str(e))
@@ -338,16 +319,9 @@ def compile(
     _log_to_stderr(logging.INFO)
     try:
         prefills = [_rows_by_tokens(p) for p in _as_list(prefill) for p in p.split(",") if p] or None
+        options = _engine_options(max_batch, max_context, decode_steps=1, kv_cache_dtype=kv_cache_dtype)
         report = LLM.compile_for(
-            model,
-            topology=topology,
-            mesh=mesh,
-            max_slots=int(max_batch),
-            max_context=max_context,
-            dtype=dtype,
-            quantize=quantize,
-            kv_cache_dtype=kv_cache_dtype,
-            prefills=prefills,
+            model, topology=topology, mesh=mesh, dtype=dtype, quantize=quantize, prefills=prefills, options=options
         )
     except LOAD_ERRORS as e:
         _fail(str(e))
@@ -425,8 +399,8 @@ def chat(
       seed: random seed.
     """
     try:
-        options = {"quantize": quantize, "kv_cache_dtype": kv_cache_dtype, "dtype": dtype}
-        llm = _common_setup(model, mesh, chat_template, None, 1, None, None, None, None, **options)
+        options = _engine_options(1, quantize=quantize, kv_cache_dtype=kv_cache_dtype)
+        llm = _load(model, options, mesh=mesh, dtype=dtype, chat_template=chat_template)
     except LOAD_ERRORS as e:
         _fail(str(e))
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []

@@ -32,13 +32,13 @@ from jaxllama.core.config import STORAGE_DTYPES, ModelConfig
 from jaxllama.core.model import forward, sequence_logits
 from jaxllama.core.params import abstract_stored, activation_dtype_of, as_blocks, product_form
 from jaxllama.engine import kvcache, memory, prepared
-from jaxllama.engine.buckets import DEFAULT_SLOTS
-from jaxllama.engine.engine import Engine, check_options
+from jaxllama.engine.engine import Engine
+from jaxllama.engine.options import EngineOptions
 from jaxllama.engine.programs import preload_imports
 from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir, prepared_cache
+from jaxllama.engine.stats import EngineStats
 from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
-from jaxllama.generation import Event, Generation, Result
 from jaxllama.protocol.requests import (
     OUTPUT_FORMAT_FIELDS,
     SAMPLING_FIELDS,
@@ -47,12 +47,15 @@ from jaxllama.protocol.requests import (
     samples,
     sampling_params,
 )
-from jaxllama.text.chat_template import ChatTemplate, encode_chat
+from jaxllama.results import Event, Result
+from jaxllama.text.chat_template import ChatTemplate
 from jaxllama.text.conversation import validate_messages
 from jaxllama.text.end_of_generation import end_of_generation_ids, load_generation_config
 from jaxllama.text.loading import load_tokenizer
+from jaxllama.text.prompts import PromptEncoder
 from jaxllama.text.structured import Grammar, GrammarCompiler, OutputFormat
 from jaxllama.text.tokenizer import Tokenizer
+from jaxllama.text_engine import TextEngine
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +86,8 @@ class LLM:
         tokenizer: Tokenizer,
         template: ChatTemplate,
         eos_ids: Iterable[int],
+        options: EngineOptions | None = None,
         *,
-        max_slots: int = DEFAULT_SLOTS,
-        max_context: int | None = None,
-        decode_steps: int | None = None,
-        quantize: str | None = None,
-        kv_cache_dtype: str | None = None,
         path: Path | None = None,
         donate_params: bool = False,
         ops=None,
@@ -96,22 +95,12 @@ class LLM:
         self.config, self.mesh = config, mesh
         self.tokenizer, self.template, self.eos_ids = tokenizer, template, frozenset(eos_ids)
         self.path = path
-        self.engine = Engine(
-            config,
-            params,
-            mesh,
-            eos_ids=self.eos_ids,
-            max_slots=max_slots,
-            max_context=max_context,
-            decode_steps=decode_steps or _default_decode_steps(mesh),
-            quantize=quantize,
-            kv_cache_dtype=kv_cache_dtype,
-            donate_params=donate_params,
-            ops=ops,
-        )
+        options = options or EngineOptions()
+        self.engine = Engine(config, params, mesh, options, eos_ids=self.eos_ids, donate_params=donate_params, ops=ops)
         self.params = self.engine.params  # the weights the engine runs: prepared for its backend, no other copy
-        self.generation = Generation(self.engine, tokenizer)
-        self.grammars = GrammarCompiler(tokenizer, config.vocab_size, self.eos_ids)
+        self.text_engine = TextEngine(self.engine, tokenizer)
+        grammars = GrammarCompiler(tokenizer, config.vocab_size, self.eos_ids)
+        self.prompts = PromptEncoder(tokenizer, template, grammars, config.vocab_size)  # what request pipelines use
         self._next_id = 0
         # The events of each call still running (a stream not yet read to its end, say), by request id: whichever
         # call steps the engine hands every event to the call that owns it.
@@ -127,19 +116,18 @@ class LLM:
         chat_template: str | None = None,
         eos_ids: Iterable[int] | None = None,
         extra_eos_ids: Iterable[int] = (),
-        max_slots: int = DEFAULT_SLOTS,
-        max_context: int | None = None,
-        decode_steps: int | None = None,
-        quantize: str | None = None,
-        kv_cache_dtype: str | None = None,
+        options: EngineOptions | None = None,
         compilation_cache: bool = True,
         keep_prepared: bool | None = None,
+        **engine_options,
     ) -> LLM:
         """Load a converted checkpoint (None: the default model) onto a mesh ('data=2,model=4'; default:
         chosen from the devices). `dtype`: None (default) runs the weights as the checkpoint stores them (bfloat16 as
         bfloat16, Q8_0/Q4_0 blocks as blocks); 'float32', 'bfloat16' or 'float16' converts every weight to it once,
         while loading (blocks dequantized). `chat_template`: a built-in name or a .jinja file instead of the
-        checkpoint's. `eos_ids` replaces the end-of-generation set; `extra_eos_ids` extends it. `quantize`:
+        checkpoint's. `eos_ids` replaces the end-of-generation set; `extra_eos_ids` extends it. `options`
+        (`EngineOptions`), with any of its fields given here as keywords replacing its own, size and run the engine:
+        `max_slots` requests at once, `max_context` positions each, `decode_steps` tokens per decode call. `quantize`:
         generate with int8 weights in blocks of 32 (llama.cpp's Q8_0), on one CPU device: 'q8_0' multiplies them by
         the inputs in int16, 'w8a8' by the inputs in int8 (as llama.cpp does; fastest on CPUs with AVX-512 VNNI);
         'int8', on XLA's path (accelerators, a CPU mesh), int8 weights with a scale per output channel;
@@ -152,7 +140,7 @@ class LLM:
         unless the environment sets JAXLLAMA_KEEP_PREPARED=0)."""
         from jaxllama.default_model import resolve_model
 
-        check_options(quantize, kv_cache_dtype)  # before a long load
+        options = dataclasses.replace(options or EngineOptions(), **engine_options)  # checked before a long load
         check_dtype(dtype)
         skip_absent_tpu()
         if compilation_cache:
@@ -166,15 +154,13 @@ class LLM:
         # checkpoint are kept: it was checked then.
         stored = load_config(path, check=digest is None or not prepared.checked(kept, digest))
         config = stored.with_dtype(jnp.dtype(dtype).name) if dtype is not None else stored  # as restored
-        cache_dtype = kvcache.dtype(kv_cache_dtype, activation_dtype_of(config))
-        where = memory.plan(
-            config, jax.devices(), mesh, max_slots, max_context, cache_dtype, stored=stored, quantize=quantize
-        )
+        cache_dtype = kvcache.dtype(options.kv_cache_dtype, activation_dtype_of(config))
+        where = memory.plan(config, jax.devices(), mesh, options, cache_dtype, stored=stored)
         mesh, form, run_config = where.mesh, product_form(config), where.config
-        ops = backends.choose(mesh, form, kernel_dir(), quantize=quantize)
+        ops = backends.choose(mesh, form, kernel_dir(), quantize=options.quantize)
         if where.footprint is None:  # a CPU: the host's memory
             memory.check_host(config, ops, form, mesh, stored=stored)
-        elif max_context is None and where.context < config.max_seq_len:
+        elif options.max_context is None and where.context < config.max_seq_len:
             log.info(
                 "context: %d positions (what fits beside the weights; the model's is %d)",
                 where.context,
@@ -199,11 +185,7 @@ class LLM:
             tokenizer,
             template,
             eos,
-            max_slots=max_slots,
-            max_context=where.context,
-            decode_steps=decode_steps,
-            quantize=quantize,
-            kv_cache_dtype=kv_cache_dtype,
+            dataclasses.replace(options, max_context=where.context),
             path=Path(path),
             ops=ops,
         )
@@ -214,24 +196,25 @@ class LLM:
         *,
         topology: str | None = None,
         mesh: str | dict | None = None,
-        max_slots: int = DEFAULT_SLOTS,
-        max_context: int | None = None,
         dtype=None,
         quantize: str | None = None,
-        kv_cache_dtype: str | None = None,
         prefills: Sequence[tuple[int, int]] | None = None,
+        options: EngineOptions | None = None,
+        **engine_options,
     ):
         """Compile the engine for a target without its weights and report whether the model fits and how fast it
         would decode (`engine/aot.py`): `model` a known shape name (`core/shapes.py`: "llama-3.1-8b"), a
         checkpoint (only its config is read) or a config; `topology` a TPU slice such as "v5e:2x4" (needs libtpu),
         default the local devices. `dtype` converts every weight; `quantize` "int8" quantizes every product's weight
-        at load (a scale per output channel), "q8_0" or "q4_0" stores it as blocks. Returns an `aot.EngineReport`
+        at load (a scale per output channel), "q8_0" or "q4_0" stores it as blocks. `options` (`EngineOptions`, its
+        fields also given as keywords: `max_slots`, `max_context`, `kv_cache_dtype`) size the engine. Returns an
+        `aot.EngineReport`
         (`.table()`, `.to_json()`); raises ModelTooLarge, with the figures, where no mesh fits."""
         from jaxllama.core.shapes import SHAPES, known_shape
         from jaxllama.default_model import resolve_model
         from jaxllama.engine import aot
 
-        check_options(None, kv_cache_dtype)
+        options = dataclasses.replace(options or EngineOptions(decode_steps=1), **engine_options)
         if isinstance(model, ModelConfig):
             config = model
         elif isinstance(model, str) and known_shape(model) is not None:
@@ -246,22 +229,28 @@ class LLM:
         if quantize is not None and quantize != "int8":
             config = aot.quantized(config, quantize)
         devices, target = aot.target_devices(topology)
-        return aot.compile_engine(
-            config,
-            devices,
-            target=target,
-            mesh=mesh,
-            max_slots=max_slots,
-            max_context=max_context,
-            kv_cache_dtype=kv_cache_dtype,
-            prefills=prefills,
-            quantize="int8" if quantize == "int8" else None,
-        )
+        options = dataclasses.replace(options, quantize="int8" if quantize == "int8" else None)
+        return aot.compile_engine(config, devices, options, target=target, mesh=mesh, prefills=prefills)
 
     @property
     def name(self) -> str:
         """The model's name in answers and records: its checkpoint folder's name, or "jaxllama"."""
         return self.path.name if self.path else "jaxllama"
+
+    @property
+    def slots(self) -> int:
+        """Requests the engine generates for at once."""
+        return self.engine.slots
+
+    @property
+    def max_context(self) -> int:
+        """Positions a request may hold: its prompt and what it generates."""
+        return self.engine.max_context
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's counters and times since the model loaded."""
+        return self.engine.stats
 
     # ---- research --------------------------------------------------------------------------------
 
@@ -304,23 +293,22 @@ class LLM:
     def encode_chat(self, messages, **kwargs) -> list[int]:
         """The prompt token ids of a conversation: the chat template applied (with the generation prompt),
         then tokenized."""
-        return encode_chat(self.tokenizer, self.template, validate_messages(messages), **kwargs)
+        return self.prompts.encode_chat(messages, **kwargs)
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """The prompt token ids of a plain text prompt: BOS in front if the model's tokenizer adds one (or as
         `add_bos` says); special-token text in `text` stays plain text."""
-        add_bos = self.tokenizer.add_bos if add_bos is None else add_bos
-        return self.tokenizer.encode(text, add_bos=add_bos, allow_special=False)
+        return self.prompts.encode(text, add_bos=add_bos)
 
     def grammar(self, output: OutputFormat, params: SamplingParams) -> Grammar:
         """The grammar a request's text must match (structured output), with the request's own stop ids; raises
         InvalidParameter for a schema, regular expression or grammar that cannot be compiled."""
-        return self.grammars.compile(output, params.stop_token_ids)
+        return self.prompts.grammar(output, params.stop_token_ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids (special tokens included); raises InvalidParameter for an id outside the
         vocabulary."""
-        return self.tokenizer.decode(_token_row(0, list(ids), self.config.vocab_size, self.config.max_seq_len))
+        return self.prompts.decode(ids)
 
     # ---- generation ------------------------------------------------------------------------------
 
@@ -404,7 +392,7 @@ class LLM:
         request_ids = []
         for prompt in prompts:
             request_ids.append(self._new_id())
-            self.generation.submit(request_ids[-1], prompt, params)
+            self.text_engine.submit(request_ids[-1], prompt, params)
         with contextlib.closing(self._events(request_ids)) as events:
             results = {e.id: e.result for e in events if e.result is not None}
         out = []
@@ -435,7 +423,7 @@ class LLM:
         request_ids = []
         for prompt_ids in ids:
             rid = self._new_id()
-            self.generation.submit(rid, prompt_ids, params, stop, include_stop, logprobs, grammar=grammar, n=n)
+            self.text_engine.submit(rid, prompt_ids, params, stop, include_stop, logprobs, grammar=grammar, n=n)
             request_ids.append(rid)
         results = {r: [None] * n for r in request_ids}
         with contextlib.closing(self._events(request_ids)) as events:  # closed early: the rest are cancelled
@@ -449,7 +437,7 @@ class LLM:
 
     def _stream(self, prompt_ids, params, stop, include_stop, grammar=None) -> Iterator[str]:
         rid = self._new_id()
-        self.generation.submit(rid, prompt_ids, params, stop, include_stop, grammar=grammar)
+        self.text_engine.submit(rid, prompt_ids, params, stop, include_stop, grammar=grammar)
         with contextlib.closing(self._events([rid])) as events:
             for event in events:
                 if event.result is not None and event.result.error is not None:
@@ -467,9 +455,9 @@ class LLM:
         try:
             while open_ids:
                 while not inbox:
-                    if not self.generation.has_work():  # never, unless a request was dropped without its events
+                    if not self.text_engine.has_work():  # never, unless a request was dropped without its events
                         raise RuntimeError(f"the engine has no work left for requests {sorted(open_ids)}")
-                    for event in self.generation.step():
+                    for event in self.text_engine.step():
                         owner = self._inboxes.get(event.id)
                         if owner is not None:
                             owner.append(event)
@@ -481,8 +469,8 @@ class LLM:
         finally:
             for rid in open_ids:
                 self._inboxes.pop(rid, None)
-                if self.generation.running(rid):
-                    self.generation.cancel(rid)
+                if self.text_engine.running(rid):
+                    self.text_engine.cancel(rid)
 
     def _new_id(self) -> str:
         self._next_id += 1
@@ -536,12 +524,6 @@ def _repeat_kv_heads(params, config: ModelConfig, run_config: ModelConfig, mesh)
         return params
     layer = as_blocks(abstract_stored(run_config, mesh), run_config)["layers_0"]
     return kv_groups.repeat_on_mesh(params, config, r, jax.tree.map(lambda x: x.sharding, layer))
-
-
-def _default_decode_steps(mesh) -> int:
-    """Decode steps per host round trip: on an accelerator several (host overhead is large against a step);
-    on the CPU one (the step dominates, and finished slots are refilled sooner)."""
-    return 1 if mesh.devices.flat[0].platform == "cpu" else 8
 
 
 def _token_rows(token_ids, vocab_size: int, max_len: int) -> list[np.ndarray]:

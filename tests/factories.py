@@ -173,6 +173,20 @@ GGUF_LAYER_NAMES = {
 }
 
 
+# A mix of GGML types for write_gguf's qtypes: block quantizations of each kind, F16 and BF16.
+GGUF_TYPE_MIX = {
+    "token_embd": "Q8_0",
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_1",
+    "attn_v": "F16",
+    "attn_output": "Q5_0",
+    "ffn_gate": "Q8_0",
+    "ffn_up": "BF16",
+    "ffn_down": "Q5_1",
+    "output.": "Q8_0",
+}
+
+
 def write_gguf(tiny: Tiny, hf: dict[str, np.ndarray], path: Path, qtypes: dict[str, str] | None = None):
     """A llama GGUF of the HF weights. qtypes: {substring of GGUF tensor name: GGML type name}."""
     import gguf

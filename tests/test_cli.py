@@ -17,8 +17,8 @@ import pytest
 from jaxllama import __version__
 from jaxllama.cli import COMMANDS, METAVARS, REPEATABLE, main, run
 from jaxllama.cli_args import fire_argv, unescape, usage
-from tests.batch.test_run import jaxllama
 from tests.factories import write_chat_gguf
+from tests.helpers.cli import jaxllama
 from tests.readme import README
 
 REPO = Path(__file__).resolve().parents[1]

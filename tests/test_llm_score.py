@@ -13,7 +13,7 @@ import torch
 from jaxllama import LLM
 from jaxllama.batch.runner import run_job
 from jaxllama.engine.request import SamplingParams
-from tests.server.conftest import CONTEXT, SLOTS
+from tests.helpers.server import CONTEXT, SLOTS
 
 TEXTS = [
     "The capital of France is Paris, and the capital of Italy is Rome.",

@@ -9,14 +9,15 @@ import pytest
 
 from jaxllama import errors as E
 from jaxllama.engine.request import SamplingParams, Timings
-from jaxllama.generation import Result
 from jaxllama.protocol import errors, responses
 from jaxllama.protocol.logprobs import answer_logprobs
 from jaxllama.protocol.pipeline import RequestPipeline
 from jaxllama.protocol.requests import REQUEST_FIELDS, SAMPLING_FIELDS, output_options, parse_body, sampling_params
+from jaxllama.results import Result
 from jaxllama.text.chat_template import ChatTemplate, ChatTemplateError
 from jaxllama.text.conversation import ConversationError
 from jaxllama.text.structured import OutputFormat
+from tests.helpers.protocol import Characters
 
 DEFAULTS = SamplingParams(max_tokens=50, temperature=0.5)
 HI = [{"role": "user", "content": "hi"}]
@@ -203,19 +204,6 @@ def test_the_text_layer_raises_request_errors():
 
 
 # ---- the pipeline ------------------------------------------------------------------------------------------
-
-
-class Characters:
-    """An encoder of one token per character; a conversation is its contents, each after its role's initial."""
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
-
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.encode("".join(m["role"][0] + m["content"] for m in messages))
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(map(chr, ids))
 
 
 def test_the_pipeline_prepares_a_request():

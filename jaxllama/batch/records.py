@@ -11,7 +11,7 @@ from jaxllama.protocol import answers, errors, responses
 from jaxllama.protocol.pipeline import PreparedRequest
 
 if TYPE_CHECKING:
-    from jaxllama.generation import Result
+    from jaxllama.results import Result
 
 
 def success(line: JobLine, request: PreparedRequest, result: Result | list[Result], model_name: str, tokenizer) -> dict:

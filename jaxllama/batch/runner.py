@@ -3,7 +3,7 @@ output, `writer.py`), so that a killed or interrupted job resumes where it stopp
 which a resumed run retries.
 
 One line's way through: `read_line` (its id and shape) -> `JobLine.request` (its kind and body) ->
-`RequestPipeline.prepare` (checked fields, prompt token ids) -> `Generation.submit` -> the engine's steps ->
+`RequestPipeline.prepare` (checked fields, prompt token ids) -> `TextEngine.submit` -> the engine's steps ->
 `records.success` (or `records.failure` for whatever the line raised on the way) -> `OrderedWriter.put`.
 
 Multi-host: every process reads the same job and runs the same engine loop; only process 0 writes.
@@ -87,17 +87,17 @@ def run_job(
     output = Path(output) if output else default_output(job)
     stats, progress = JobStats(), None
     start = time.perf_counter()
-    engine_stats_before = dataclasses.replace(llm.engine.stats)
+    engine_stats_before = dataclasses.replace(llm.stats)
     try:
         lines = read_job(job)
         stats.requests = len(lines)
         if write:
             _prepare_output(output, settings, overwrite)
         found = _plan(lines, load_records(output) if write else {}, retry_errors, stats)
-        pipeline = RequestPipeline(llm, defaults, tuple(stop), system_prompt, output_options=False)
+        pipeline = RequestPipeline(llm.prompts, defaults, tuple(stop), system_prompt, output_options=False)
         progress = Progress(len(found.todo), quiet=quiet, initial_skipped=stats.skipped, retried=stats.retried)
         with OrderedWriter(output if write else None, *_order(lines, found)) as writer:
-            batch = _Batch(llm, pipeline, writer, stats, progress)
+            batch = _JobOnEngine(llm, pipeline, writer, stats, progress)
             for line, duplicate in found.todo:
                 if duplicate is None:
                     batch.submit(line)
@@ -143,7 +143,7 @@ def _order(lines: list[JobLine], found: Plan) -> tuple[list[int], dict[int, dict
     return [line.number for line in lines] + list(others), {**found.kept, **others}
 
 
-class _Batch:
+class _JobOnEngine:
     """The job's requests on the engine: each line submitted or failed at once, then answered as the engine
     finishes it; every record goes to the writer, and is counted in the statistics and the progress."""
 
@@ -160,7 +160,7 @@ class _Batch:
             # Longest first (by max_tokens): the job then ends with its short requests, rather than with a tail of
             # decode steps that run a few long ones in nearly empty batches. Output stays in file order.
             priority = request.params.max_tokens
-            self.llm.generation.submit(
+            self.llm.text_engine.submit(
                 line.number,
                 request.prompt,
                 request.params,
@@ -183,8 +183,8 @@ class _Batch:
     def generate(self) -> None:
         """Step the engine until every submitted line is answered."""
         model_name = self.llm.name
-        while self.llm.generation.has_work():
-            for event in self.llm.generation.step():
+        while self.llm.text_engine.has_work():
+            for event in self.llm.text_engine.step():
                 if event.result is None:
                     continue
                 line, request, results = self.running[event.id]
@@ -212,7 +212,7 @@ class _Batch:
 
 
 def summary(stats: JobStats, llm, before) -> dict:
-    e = llm.engine.stats
+    e = llm.stats
     prefill_s, decode_s = e.prefill_s - before.prefill_s, e.decode_s - before.decode_s
     prefill_tokens, generated = e.prefill_tokens - before.prefill_tokens, e.generated_tokens - before.generated_tokens
     steps = e.decode_steps - before.decode_steps
@@ -237,9 +237,9 @@ def summary(stats: JobStats, llm, before) -> dict:
         "decode_tokens_per_s": round(generated / decode_s, 1) if decode_s else 0.0,
         "ttft_ms_p50": round(float(np.percentile(ttft, 50)), 1),
         "ttft_ms_p95": round(float(np.percentile(ttft, 95)), 1),
-        "slot_occupancy": round(slot_steps / max(1, steps * llm.engine.slots), 3),
+        "slot_occupancy": round(slot_steps / max(1, steps * llm.slots), 3),
         "decode_steps": steps,
-        "slots": llm.engine.slots,
+        "slots": llm.slots,
     }
     out["hosts"] = _per_host(stats.wall_s, prefill_s, decode_s, e.compile_s - before.compile_s)
     return out

@@ -163,7 +163,7 @@ def restore_errors(params_dir: Path):
         raise CheckpointError(f"{params_dir}: cannot restore ({_first_line(e)})") from None
 
 
-class _Held(logging.Filter):
+class _KeepMessages(logging.Filter):
     def __init__(self):
         super().__init__()
         self.messages: list[str] = []
@@ -173,7 +173,7 @@ class _Held(logging.Filter):
         return False
 
 
-class _About(logging.Filter):
+class _DropMentionsOf(logging.Filter):
     """Drops the records that mention a path."""
 
     def __init__(self, path: Path):
@@ -191,14 +191,14 @@ def _held_logs(params_dir: Path):
     and asyncio logs each failure nobody awaited as a traceback ("Task exception was never retrieved"), dozens for
     one file, when the task is collected. Tasks still in flight when Orbax gives up fail later, so after a failure
     asyncio's records about this checkpoint stay dropped."""
-    held = _Held()
+    held = _KeepMessages()
     loggers = [logging.getLogger("absl"), logging.getLogger("asyncio")]
     for log in loggers:
         log.addFilter(held)
     try:
         yield held
     except BaseException:
-        logging.getLogger("asyncio").addFilter(_About(params_dir))
+        logging.getLogger("asyncio").addFilter(_DropMentionsOf(params_dir))
         gc.collect()
         raise
     finally:

@@ -3,7 +3,7 @@
 `compile_engine` builds the engine with abstract weights (shapes, dtypes and shardings only) on the target's devices
 (a TPU topology described on this host, or the local devices), then compiles every program the engine runs for a
 full cache: the cache's last growth, a decode step over every slot, and prefills of the given sizes (rows x prompt
-tokens), each through the engine's own code path (`Device` with `abstract=True`), so the programs are the ones it
+tokens), each through the engine's own code path (`ModelRunner` with `abstract=True`), so the programs are the ones it
 would run. Each program is read for what the compiler says of it (memory per device, flops, its cost model's time)
 and what its optimized HLO moves (`hlo.py`: HBM bytes, the compiler's cycle estimate, collectives).
 
@@ -33,6 +33,7 @@ from jaxllama.core.params import (
 from jaxllama.engine import buckets, hlo, kvcache, memory
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.interface import PrefillRow
+from jaxllama.engine.options import EngineOptions
 from jaxllama.engine.programs import Compiled
 from jaxllama.engine.request import Request, SamplingParams
 from jaxllama.errors import ModelTooLarge
@@ -256,40 +257,28 @@ def quantized(config: ModelConfig, form: str) -> ModelConfig:
 def compile_engine(
     config: ModelConfig,
     devices: Sequence,
+    options: EngineOptions | None = None,
     *,
     target: str,
     mesh: str | dict | None = None,
-    max_slots: int = buckets.DEFAULT_SLOTS,
-    max_context: int | None = None,
-    kv_cache_dtype: str | None = None,
     prefills: Sequence[tuple[int, int]] | None = None,
-    layers_per_program: int | None = None,
-    quantize: str | None = None,
+    **fields,
 ) -> EngineReport:
-    """Compile the engine's programs for `config` (as restored) on `devices` and report them (see the module's
-    docstring). `prefills`: (rows, prompt tokens) of the prefills to compile; default one row of the whole
-    context and min(8, slots) rows of 512 tokens. ModelTooLarge before compiling anything where no mesh fits."""
+    """Compile the engine's programs for `config` (as restored) on `devices` with `options` (fields given as keywords
+    replace its own; one decode step per call unless they say otherwise) and report them (see the module's
+    docstring). `prefills`: (rows, prompt tokens) of the prefills to compile; default one row of the whole context
+    and min(8, slots) rows of 512 tokens. ModelTooLarge before compiling anything where no mesh fits."""
     started = time.perf_counter()
-    cache_dtype = kvcache.dtype(kv_cache_dtype, activation_dtype_of(config))
-    where = memory.plan(config, devices, mesh, max_slots, max_context, cache_dtype, quantize=quantize)
+    options = dataclasses.replace(options or EngineOptions(decode_steps=1), **fields)
+    cache_dtype = kvcache.dtype(options.kv_cache_dtype, activation_dtype_of(config))
+    where = memory.plan(config, devices, mesh, options, cache_dtype)
     memory.check_plan(where)
     own = config  # the model's own KV heads: what no implementation can avoid reading
     config = where.config  # its KV heads repeated where the model axis asks (`core/kv_groups.py`)
     params = as_blocks(abstract_stored(config, where.mesh), config)
-    options = {} if layers_per_program is None else {"layers_per_program": layers_per_program}
-    engine = Engine(
-        config,
-        params,
-        where.mesh,
-        eos_ids=[0],
-        max_slots=max_slots,
-        max_context=where.context,
-        kv_cache_dtype=kv_cache_dtype,
-        quantize=quantize,
-        abstract=True,
-        **options,
-    )
-    device, programs = engine.device, engine.device.programs
+    options = dataclasses.replace(options, max_context=where.context)
+    engine = Engine(config, params, where.mesh, options, eos_ids=[0], abstract=True)
+    runner, programs = engine.runner, engine.runner.programs
     phases: dict[str, list[Compiled]] = {}
 
     def phase(name: str, run) -> None:
@@ -305,21 +294,21 @@ def compile_engine(
         phases[name] = programs.calls[first:]
 
     context = where.context
-    if device.pages:  # a pool allocated once: every slot given a full context's pages
-        device.make_room(0, dict.fromkeys(range(device.slots), context))
+    if runner.pages:  # a pool allocated once: every slot given a full context's pages
+        runner.make_room(0, dict.fromkeys(range(runner.slots), context))
     else:
         before = max(buckets.MIN_BUCKET, _previous_bucket(context))
-        device.cache = kvcache.abstract(config, where.mesh, device.slots, before, cache_dtype, device.layout)
-        phase("cache growth", lambda: device.resize(context))
-    phase("decode step", lambda: device.generate(list(range(device.slots)), [SamplingParams()]))
+        runner.cache = kvcache.abstract(config, where.mesh, runner.slots, before, cache_dtype, runner.layout)
+        phase("cache growth", lambda: runner.resize(context))
+    phase("decode step", lambda: runner.generate(list(range(runner.slots)), [SamplingParams()]))
     if prefills is None:
-        prefills = [(1, context - 1), (min(8, device.slots), min(512, context - 1))]
+        prefills = [(1, context - 1), (min(8, runner.slots), min(512, context - 1))]
     for rows, length in dict.fromkeys(prefills):
-        if not 0 < rows <= device.slots or not 0 < length < context:
-            raise ValueError(f"prefill {rows}x{length}: rows must be 1..{device.slots}, tokens 1..{context - 1}")
+        if not 0 < rows <= runner.slots or not 0 < length < context:
+            raise ValueError(f"prefill {rows}x{length}: rows must be 1..{runner.slots}, tokens 1..{context - 1}")
         requests = [Request(None, [1] * length, SamplingParams()) for _ in range(rows)]
         batch = [PrefillRow(r, r.prompt, 0, slot, slot) for slot, r in enumerate(requests)]
-        phase(f"prefill {rows}x{length}", lambda batch=batch: device.prefill(batch))
+        phase(f"prefill {rows}x{length}", lambda batch=batch: runner.prefill(batch))
 
     chip = chip_of(where.mesh.devices.flat[0])
     reports, by_program = [], {}
@@ -330,14 +319,14 @@ def compile_engine(
             by_program[(name, id(compiled))] = report
     temporaries = max(p.temp_bytes + p.code_bytes for p in reports)
     fp = memory.footprint(
-        config, where.mesh, device.slots, context, cache_dtype, temporaries, ops=engine.ops, grows=not device.pages
+        config, where.mesh, runner.slots, context, cache_dtype, temporaries, ops=engine.ops, grows=not runner.pages
     )
     data, model = where.mesh.shape["data"], where.mesh.shape["model"]
-    kv_bytes = kvcache.bytes_per_layer(own, device.slots, context, cache_dtype, device.layout) * own.n_layers
+    kv_bytes = kvcache.bytes_per_layer(own, runner.slots, context, cache_dtype, runner.layout) * own.n_layers
     weights = memory.per_device_bytes(engine.ops.prepare_abstract(as_blocks(abstract_stored(own), own), own))
     ideal_bytes = weights / model + kv_bytes / (data * model)
     bandwidth = chip.hbm_bandwidth if chip else float("nan")
-    decode = _phase("decode step", device.slots, phases["decode step"], by_program, ideal_bytes / bandwidth, chip)
+    decode = _phase("decode step", runner.slots, phases["decode step"], by_program, ideal_bytes / bandwidth, chip)
     prefill_reports = []
     for name, calls in phases.items():
         if name.startswith("prefill"):
@@ -350,7 +339,7 @@ def compile_engine(
         target=target,
         devices=len(devices),
         mesh=dict(where.mesh.shape),
-        slots=device.slots,
+        slots=runner.slots,
         context=context,
         chip=chip,
         footprint=fp,
@@ -359,7 +348,7 @@ def compile_engine(
         decode=decode,
         prefills=prefill_reports,
         compile_s=time.perf_counter() - started,
-        kv_cache=f"paged, {device.pages.page_size}-position pages" if device.pages else "contiguous",
+        kv_cache=f"paged, {runner.pages.page_size}-position pages" if runner.pages else "contiguous",
         decode_attention="Pallas kernel" if any(_runs_a_kernel(p) for p in phases["decode step"]) else "XLA",
     )
 

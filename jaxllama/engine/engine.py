@@ -1,15 +1,18 @@
-"""`Engine`: the scheduler (`scheduler.py`, plain Python) over the device half (`device.py`, the model's programs
-on a mesh), with the backend chosen once, here, from the mesh and the weights (`jaxllama.backends.choose`).
+"""`Engine`: a scheduler (`scheduler.py`, plain Python: which requests hold which slots, when to prefill and when to
+decode) driving a model runner (`model_runner.py`, the model's programs on a mesh). The backend is chosen here, once,
+from the mesh and the weights (`jaxllama.backends.choose`), unless the caller chose it, and the options are resolved
+here for the model, the mesh and the backend (`options.py`).
 
-    engine = Engine(config, params, mesh, eos_ids=[2])
+    engine = Engine(config, params, mesh, EngineOptions(max_slots=8), eos_ids=[2])
     for update in engine.generate([Request("a", prompt_ids, SamplingParams(max_tokens=16))]):
         ...
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from jax.sharding import Mesh
 
@@ -19,89 +22,98 @@ from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import activation_dtype
 from jaxllama.core.ops import Ops
 from jaxllama.core.params import product_form
-from jaxllama.engine import buckets, kvcache
-from jaxllama.engine.buckets import DEFAULT_SLOTS
-from jaxllama.engine.device import Device
+from jaxllama.engine import kvcache
+from jaxllama.engine.model_runner import ModelRunner
+from jaxllama.engine.options import EngineOptions
+from jaxllama.engine.request import FinishReason, Request, Update
 from jaxllama.engine.runtime import kernel_dir
 from jaxllama.engine.scheduler import Scheduler
 from jaxllama.engine.stats import EngineStats
 
-# Decoder layers per compiled program (`step.py`): SmolLM2's 30 layers run as 6 calls of one program.
-LAYERS_PER_PROGRAM = 5
 
-
-def check_options(quantize: str | None = None, kv_cache_dtype: str | None = None) -> None:
-    """Raise ValueError for an unknown weight format or KV cache dtype: callers check before a long load."""
-    backends.check_quantization(quantize)
-    kvcache.dtype(kv_cache_dtype, None)
-
-
-class Engine(Scheduler):
+class Engine:
     """Generates for many requests at once on a mesh. Not thread-safe: one thread drives `step()`.
 
-    `cpu_kernels`: on one CPU device with float32 weights, run the CPU kernels where they build (else XLA's
-    operations everywhere); `quantize` (one of `backends.QUANTIZATIONS`) needs them. `kv_cache_dtype`: the cache's
-    dtype by name (default: the weights'). `decode_steps`: tokens per decode call (no host round trip between
-    them). `min_cache`: the cache's first length in positions. The weights the engine runs are `self.params`:
-    `params` prepared for the backend's products (packed or quantized for the CPU kernels); `donate_params`: the
-    engine may free the given weights that preparing replaced (the caller will not use them again). `ops`: the
-    backend, where the caller chose it already (`backends.choose`; `cpu_kernels` and `quantize` then say nothing).
-    `abstract`: `params` are ShapeDtypeStructs with shardings and the engine only compiles its programs for the mesh's
-    devices, which may be unable to run them (`engine/aot.py`). `page_size`: the KV cache's positions per page, 0 for
-    a contiguous cache; by default the backend's (`Ops.page_size`: paged where a kernel reads the pages, on a TPU or
-    GPU mesh of data=1)."""
+    `options` (`EngineOptions`; keyword fields given here replace its own) size and run it. The weights the engine
+    runs are `self.params`: `params` prepared for the backend's products (packed or quantized for the CPU kernels);
+    `donate_params`: the engine may free the given weights that preparing replaced (the caller will not use them
+    again). `ops`: the backend, where the caller chose it already (`backends.choose`; `options.cpu_kernels` and
+    `options.quantize` then say nothing). `abstract`: `params` are ShapeDtypeStructs with shardings and the engine
+    only compiles its programs for the mesh's devices, which may be unable to run them (`engine/aot.py`)."""
 
     def __init__(
         self,
         config: ModelConfig,
         params,
         mesh: Mesh,
+        options: EngineOptions | None = None,
         *,
         eos_ids: Iterable[int] = (),
-        max_slots: int = DEFAULT_SLOTS,
-        max_context: int | None = None,
-        decode_steps: int = 1,
-        min_cache: int = buckets.MIN_BUCKET,
-        layers_per_program: int = LAYERS_PER_PROGRAM,
-        cpu_kernels: bool = True,
-        quantize: str | None = None,
-        kv_cache_dtype: str | None = None,
-        donate_params: bool = False,
         ops: Ops | None = None,
+        donate_params: bool = False,
         abstract: bool = False,
-        page_size: int | None = None,
+        **fields,
     ):
-        check_options(quantize, kv_cache_dtype)
-        if not isinstance(layers_per_program, int) or layers_per_program < 1:
-            raise ValueError(f"layers_per_program={layers_per_program!r}: must be a positive integer")
+        options = dataclasses.replace(options or EngineOptions(), **fields)
         self.config, self.mesh = config, mesh
         stats = EngineStats()
         start = time.perf_counter()  # building the CPU kernels (once per machine) counts as compilation
         dtype = activation_dtype(params["embedding"])  # the model's (a backend keeps the embedding for lookups)
         form = product_form(config)  # the products' weights' as stored: a block format or a dtype
         form = form if form in FORMATS else dtype
+        cpu_kernels, quantize = options.cpu_kernels, options.quantize
         self.ops = ops or backends.choose(mesh, form, kernel_dir(), cpu_kernels=cpu_kernels, quantize=quantize)
         stats.compile_s += time.perf_counter() - start
-        data = mesh.shape["data"]
-        cache_dtype = kvcache.dtype(kv_cache_dtype, dtype)
-        if page_size is None:
-            page_size = self.ops.page_size(cache_dtype) if data == 1 else 0
-        device = Device(
+        data, platform = mesh.shape["data"], mesh.devices.flat[0].platform
+        cache_dtype = kvcache.dtype(options.kv_cache_dtype, dtype)
+        page_size = self.ops.page_size(cache_dtype) if data == 1 else 0
+        self.options = options.resolved(config.max_seq_len, data, platform, cache_dtype, page_size)
+        eos_ids = sorted(set(int(i) for i in eos_ids))
+        runner = ModelRunner(
             config,
             params,
             mesh,
+            self.options,
             ops=self.ops,
-            slots=buckets.slot_count(max_slots, data),
-            max_context=min(max_context or config.max_seq_len, config.max_seq_len),
-            eos_ids=sorted(set(int(i) for i in eos_ids)),
-            decode_steps=decode_steps,
-            layers_per_program=layers_per_program,
-            cache_dtype=cache_dtype,
-            min_cache=min_cache,
+            eos_ids=eos_ids,
             stats=stats,
             donate_params=donate_params,
             abstract=abstract,
-            page_size=page_size,
         )
-        super().__init__(device, stats)
-        self.params = device.params
+        self.runner, self.stats, self.params = runner, stats, runner.params
+        self.scheduler = Scheduler(runner, stats)
+
+    # ---- the scheduler's interface ------------------------------------------------------------------
+
+    @property
+    def slots(self) -> int:
+        return self.runner.slots
+
+    @property
+    def max_context(self) -> int:
+        return self.runner.max_context
+
+    def check(self, request: Request) -> None:
+        self.scheduler.check(request)
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def finish(self, request_id, reason: FinishReason = "cancelled", stop_reason: str | None = None) -> None:
+        self.scheduler.finish(request_id, reason, stop_reason)
+
+    def is_waiting(self, request_id) -> bool:
+        return self.scheduler.is_waiting(request_id)
+
+    @property
+    def running(self) -> int:
+        return self.scheduler.running
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Update]:
+        return self.scheduler.step()
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Update]:
+        return self.scheduler.generate(requests)

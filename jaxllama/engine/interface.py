@@ -1,5 +1,5 @@
-"""The contract between the scheduler (plain Python, `scheduler.py`) and the device half of the engine
-(`device.py`): what a prefill is asked to compute, what a call samples, and why a row stopped. Plain Python, so
+"""The contract between the scheduler (plain Python, `scheduler.py`) and the model runner of the engine
+(`model_runner.py`): what a prefill is asked to compute, what a call samples, and why a row stopped. Plain Python, so
 that the scheduler can be run and tested against any object that keeps it.
 """
 
@@ -69,7 +69,7 @@ class Sampled:
     prompt: list[PromptLogprobs] | None = None
 
 
-class DeviceInterface(Protocol):
+class ModelRunnerInterface(Protocol):
     """What the scheduler needs of the device: its sizes, and four calls."""
 
     slots: int  # decode slots

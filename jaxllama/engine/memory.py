@@ -7,7 +7,7 @@ found out by the kernel's out-of-memory killer or the device's allocator minutes
   one layer being restored must fit in the available memory; the KV cache grows with the sequences in it.
 - On an accelerator each device holds its share: the weights as the mesh splits them (replicated parts in full),
   the KV cache at its final size (the slots times the context, as the mesh splits it), the moment the cache grows
-  (one layer's new copy beside the old cache: `Device.resize`), the decode state, and the largest program's
+  (one layer's new copy beside the old cache: `ModelRunner.resize`), the decode state, and the largest program's
   temporaries (`OVERHEAD` stands for them until the programs are compiled: `engine/aot.py` puts in the compiler's
   own figures). A device's memory is what it says it can hold, else the chip table's (`core/chips.py`), so that a
   compile-only device is sized as the real one.
@@ -37,6 +37,7 @@ from jaxllama.core.ops import XLA, Ops
 from jaxllama.core.params import abstract_stored, as_blocks, product_form, stored_arrays_of, stored_bytes
 from jaxllama.core.sharding import make_mesh, model_axes, parse_mesh
 from jaxllama.engine import buckets, kvcache
+from jaxllama.engine.options import EngineOptions
 from jaxllama.errors import ModelTooLarge
 
 # What a running engine holds besides its weights, cache and state (compiled programs, temporaries, the runtime's
@@ -125,16 +126,14 @@ def plan(
     config: ModelConfig,
     devices,
     spec: str | dict | None,
-    max_slots: int,
-    max_context: int | None,
+    options: EngineOptions,
     cache_dtype,
     stored: ModelConfig | None = None,
-    quantize: str | None = None,
 ) -> Plan:
-    """The mesh, slots and context to run `config` with on `devices` (see the module's docstring), its weights
-    quantized at load as `quantize` says ("int8": `core/int8_weights.py`); ModelTooLarge, with the bytes needed and
-    the bytes there are, where nothing fits."""
-    devices = list(devices)
+    """The mesh, slots and context to run `config` with on `devices` (see the module's docstring) for the engine's
+    `options` (its slots and context; its weights quantized at load as `options.quantize` says, "int8":
+    `core/int8_weights.py`); ModelTooLarge, with the bytes needed and the bytes there are, where nothing fits."""
+    devices, max_slots, max_context, quantize = list(devices), options.max_slots, options.max_context, options.quantize
     ops = Ops(int8_weights=backends.int8_at_load(product_form(config), devices[0].platform, quantize))
     memory = memory_of(devices[0])
     if memory is None:  # a CPU: the host's memory, checked by `check_host`

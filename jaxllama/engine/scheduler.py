@@ -1,5 +1,5 @@
 """Continuous batching: a queue of requests, a fixed number of decode slots, and the loop that keeps them full.
-Plain Python over a device that keeps `interface.DeviceInterface`; no jax here.
+Plain Python over a model runner that keeps `interface.ModelRunnerInterface`; no jax here.
 
 Each `step()` ends the requests `finish` was called for, admits waiting requests into free slots (the highest
 `priority` first, then in order of arrival; one prefill call per prompt-length bucket), then runs one decode call
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from jaxllama.engine import buckets
-from jaxllama.engine.interface import FINISH, STOPPED, DeviceInterface, PrefillRow, PromptLogprobs, Sampled
+from jaxllama.engine.interface import FINISH, STOPPED, ModelRunnerInterface, PrefillRow, PromptLogprobs, Sampled
 from jaxllama.engine.prefix import ResidentPrefixes, shared_prefixes
 from jaxllama.engine.request import FinishReason, Request, SamplingParams, Timings, TokenConstraint, TopLogprobs, Update
 from jaxllama.engine.stats import EngineStats
@@ -42,16 +42,16 @@ class _Slot:
 
 
 class Scheduler:
-    """Generates for many requests at once on one device half. Not thread-safe: one thread drives `step()`."""
+    """Generates for many requests at once on one model runner. Not thread-safe: one thread drives `step()`."""
 
-    def __init__(self, device: DeviceInterface, stats: EngineStats | None = None):
-        self.device = device
-        self.slots, self.max_context, self.eos_ids = device.slots, device.max_context, tuple(device.eos_ids)
+    def __init__(self, runner: ModelRunnerInterface, stats: EngineStats | None = None):
+        self.runner = runner
+        self.slots, self.max_context, self.eos_ids = runner.slots, runner.max_context, tuple(runner.eos_ids)
         self.stats = stats or EngineStats()
         self.queue: collections.deque[Request] = collections.deque()
         self.active: dict[int, _Slot] = {}  # slot -> the request running there
-        self.prefixes = ResidentPrefixes(self.slots, device.reuse_multiple)
-        self._kept = device.max_context  # the positions the slots' caches keep (`_make_room`)
+        self.prefixes = ResidentPrefixes(self.slots, runner.reuse_multiple)
+        self._kept = runner.max_context  # the positions the slots' caches keep (`_make_room`)
         self.ending: dict[int, tuple[FinishReason, str | None]] = {}  # slot -> why `finish` ends it
         self._stopping: set[int] = set()  # slots the device still runs for requests that ended
 
@@ -60,7 +60,7 @@ class Scheduler:
     def check(self, request: Request) -> None:
         """Raise a RequestError if the request can never run (the caller reports it for that request alone; its
         `SamplingParams` checked themselves when made)."""
-        n, vocab = len(request.prompt), self.device.vocab_size
+        n, vocab = len(request.prompt), self.runner.vocab_size
         if n == 0:
             raise InvalidRequest("prompt is empty", "prompt")
         if n >= self.max_context:
@@ -72,8 +72,8 @@ class Scheduler:
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         stop_ids = request.params.stop_token_ids
-        if len(self.eos_ids) * (not request.params.ignore_eos) + len(stop_ids) > self.device.max_stop_ids:
-            extra = self.device.max_stop_ids - len(self.eos_ids)
+        if len(self.eos_ids) * (not request.params.ignore_eos) + len(stop_ids) > self.runner.max_stop_ids:
+            extra = self.runner.max_stop_ids - len(self.eos_ids)
             raise InvalidParameter(f"stop_token_ids: at most {extra} extra stop token ids", "stop_token_ids")
         bad = [t for t in stop_ids if not 0 <= t < vocab]
         if bad:
@@ -89,7 +89,7 @@ class Scheduler:
         vocabulary means the limit: they are capped to it (the device holds them as int32)."""
         self.check(request)
         p = request.params
-        max_tokens, top_k = min(p.max_tokens, self.max_context), min(p.top_k, self.device.vocab_size)
+        max_tokens, top_k = min(p.max_tokens, self.max_context), min(p.top_k, self.runner.vocab_size)
         if (max_tokens, top_k) != (p.max_tokens, p.top_k):
             capped = dict(max_tokens=max_tokens, top_k=top_k, min_tokens=min(p.min_tokens, max_tokens))
             request = dataclasses.replace(request, params=dataclasses.replace(p, **capped))
@@ -199,7 +199,7 @@ class Scheduler:
         self._make_room(max(r.start + q for r in rows))
         compiling, start = self.stats.compile_s, time.perf_counter()
         masks = self._masks([r.request.constraint for r in rows]) if sample else None
-        out = self.device.prefill(rows, sample, masks) if masks else self.device.prefill(rows, sample)
+        out = self.runner.prefill(rows, sample, masks) if masks else self.runner.prefill(rows, sample)
         now = time.perf_counter()
         self.stats.prefill_calls += 1
         self.stats.prefill_tokens += sum(len(r.tokens) for r in rows)
@@ -244,9 +244,9 @@ class Scheduler:
         # A constrained row needs its mask before each token: while one runs, calls advance one step.
         masks = self._masks([self.active[c].request.constraint if c in self.active else None for c in columns])
         if masks:
-            out = self.device.generate(columns, params, cancelled, masks)
+            out = self.runner.generate(columns, params, cancelled, masks)
         else:
-            out = self.device.generate(columns, params, cancelled)
+            out = self.runner.generate(columns, params, cancelled)
         self.stats.decode_s += time.perf_counter() - start - (self.stats.compile_s - compiling)
         self.stats.decode_steps += out.tokens.shape[0]
         self.stats.slot_steps += int(out.emitted.sum())
@@ -311,7 +311,7 @@ class Scheduler:
         out-of-range index `slots` to the next of ROW_BUCKETS): a step's cost grows with its rows."""
         active = sorted(self.active)
         for size in buckets.ROW_BUCKETS:
-            size = buckets.round_up(size, self.device.row_multiple)
+            size = buckets.round_up(size, self.runner.row_multiple)
             if len(active) <= size < self.slots:
                 return active + [self.slots] * (size - len(active))
         return list(range(self.slots))
@@ -319,10 +319,10 @@ class Scheduler:
     def _make_room(self, needed: int) -> None:
         """The cache holds `needed` positions for the rows about to be computed and every active sequence's next
         decode call; what the slots held past what it keeps is forgotten."""
-        steps = self.device.decode_steps
+        steps = self.runner.decode_steps
         lengths = {slot: s.length + s.generated + steps for slot, s in self.active.items()}
         start = time.perf_counter()
-        kept = self.device.make_room(needed, lengths)
+        kept = self.runner.make_room(needed, lengths)
         if kept < self._kept:
             self.prefixes.truncate(kept)
         self._kept = kept
@@ -333,7 +333,7 @@ class Scheduler:
         None when no row is constrained."""
         if not any(c is not None for c in constraints):
             return None
-        words = (self.device.vocab_size + 31) // 32
+        words = (self.runner.vocab_size + 31) // 32
 
         def fill() -> np.ndarray:
             out = np.full((len(constraints), words), -1, np.int32)

@@ -146,9 +146,11 @@ def _scatter(state: DecodeState, rows: DecodeState, slots, penalties: bool) -> D
     """`state` with the fields of `slots` replaced by `rows` (padding indices write nothing); the token counts
     only with `penalties` (see `_advance`)."""
     kept = {} if penalties else {"counts": state.counts, "seen": state.seen}
-    light = (lambda s: s) if penalties else (lambda s: dataclasses.replace(s, counts=None, seen=None))
+    scattered_fields = (lambda s: s) if penalties else (lambda s: dataclasses.replace(s, counts=None, seen=None))
     new = jax.tree.map(
-        lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop"), light(state), light(rows)
+        lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop"),
+        scattered_fields(state),
+        scattered_fields(rows),
     )
     return dataclasses.replace(new, **kept)
 

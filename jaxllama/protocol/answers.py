@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jaxllama import generation
 from jaxllama.protocol import responses
 from jaxllama.protocol.logprobs import answer_logprobs
 from jaxllama.protocol.pipeline import PreparedRequest
+from jaxllama.results import usage as usage_of
 
 if TYPE_CHECKING:
-    from jaxllama.generation import Result
+    from jaxllama.results import Result
     from jaxllama.text.tokenizer import Tokenizer
 
 
@@ -26,5 +26,5 @@ def answer(request: PreparedRequest, results: list[list[Result]], model: str, to
             flat.append(result)
             texts.append(echoed + result.text)
             logprobs.append(answer_logprobs(request.kind, tokenizer, request.options, prompt, result, echoed))
-    total = generation.usage(results)
+    total = usage_of(results)
     return responses.completion(request.kind, flat, request.model or model, logprobs=logprobs, texts=texts, usage=total)

@@ -17,7 +17,7 @@ from jaxllama.protocol.requests import OutputOptions
 from jaxllama.protocol.responses import finite_logprobs
 
 if TYPE_CHECKING:
-    from jaxllama.generation import Event, Result
+    from jaxllama.results import Event, Result
     from jaxllama.text.tokenizer import Tokenizer
 
 

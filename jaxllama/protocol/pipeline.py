@@ -18,13 +18,14 @@ from jaxllama.text.structured import Grammar, OutputFormat
 
 
 class Encoder(Protocol):
-    """Text to prompt token ids, and an output format to its grammar: what `jaxllama.LLM` provides."""
+    """Text to prompt token ids, and an output format to its grammar: what `jaxllama.text.prompts.PromptEncoder`
+    provides (`LLM.prompts`)."""
 
     def encode(self, text: str) -> list[int]: ...
 
     def encode_chat(self, messages: list[dict]) -> list[int]: ...
 
-    def grammar(self, output: OutputFormat, params: SamplingParams) -> Grammar: ...
+    def grammar(self, output: OutputFormat, stop_token_ids: tuple[int, ...]) -> Grammar: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -82,7 +83,7 @@ class RequestPipeline:
             texts = (
                 [p if isinstance(p, str) else self.encoder.decode(p) for p in parsed.prompts] if options.echo else None
             )
-        grammar = self.encoder.grammar(parsed.output, parsed.params) if parsed.output else None
+        grammar = self.encoder.grammar(parsed.output, parsed.params.stop_token_ids) if parsed.output else None
         return PreparedRequest(
             kind, prompts, parsed.params, parsed.stop, options, parsed.model, grammar, parsed.n, texts
         )

@@ -12,10 +12,10 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from jaxllama import generation
+from jaxllama.results import usage as usage_of
 
 if TYPE_CHECKING:
-    from jaxllama.generation import Result
+    from jaxllama.results import Result
 
 
 def new_id(kind: str) -> str:
@@ -52,7 +52,7 @@ def completion(
         "choices": [
             _choice(kind, i, r, lp, text) for i, (r, lp, text) in enumerate(zip(results, logprobs, texts, strict=True))
         ],
-        "usage": usage or generation.usage([results]),
+        "usage": usage or usage_of([results]),
         "timings": timings(results[0]),
     }
 
@@ -118,7 +118,7 @@ def usage_chunk(kind: str, id: str, created: int, model: str, result: Result | l
         "created": created,
         "model": model,
         "choices": [],
-        "usage": generation.usage([results]),
+        "usage": usage_of([results]),
         "timings": timings(results[0]),
     }
 

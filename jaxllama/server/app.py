@@ -33,11 +33,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxllama.engine.request import SamplingParams
 from jaxllama.errors import ClientClosed, EngineUnavailable, InvalidRequest, QueueFull
-from jaxllama.generation import Event, Result
 from jaxllama.protocol import answers, errors, responses
 from jaxllama.protocol.logprobs import piece_logprobs
 from jaxllama.protocol.pipeline import PreparedRequest, RequestPipeline
 from jaxllama.protocol.requests import ENDPOINTS, lone_surrogate_text
+from jaxllama.results import Event, Result
 from jaxllama.server.metrics import Metrics
 from jaxllama.server.worker import EngineWorker, RequestStream
 
@@ -63,9 +63,9 @@ def create_app(
     max_tokens: tokens per answer when a request does not say (default: up to the context limit).
     """
     metrics = Metrics()
-    worker = EngineWorker(llm.generation, slots=llm.engine.slots, max_queue=max_queue, metrics=metrics)
+    worker = EngineWorker(llm.text_engine, slots=llm.slots, max_queue=max_queue, metrics=metrics)
     metrics.watch_load(lambda: worker.running, lambda: worker.waiting)
-    pipeline = RequestPipeline(llm, SamplingParams(max_tokens=max_tokens or llm.engine.max_context))
+    pipeline = RequestPipeline(llm.prompts, SamplingParams(max_tokens=max_tokens or llm.max_context))
     handlers = OpenAIHandlers(llm, model_name or llm.name, pipeline, worker, metrics)
 
     @contextlib.asynccontextmanager
@@ -108,7 +108,7 @@ class OpenAIHandlers:
     async def models(self) -> dict:
         """The one model served."""
         card = {"id": self.name, "object": "model", "created": self.created, "owned_by": "jaxllama"}
-        card["max_model_len"] = self.llm.engine.max_context
+        card["max_model_len"] = self.llm.max_context
         return {"object": "list", "data": [card]}
 
     async def tokenize(self, body: JSONObject) -> JSONResponse:
@@ -125,7 +125,7 @@ class OpenAIHandlers:
         # On a thread: a long text takes seconds, which would hold every other request (and /health) on the loop.
         encode = functools.partial(tokenizer.encode, add_bos=special and tokenizer.add_bos, allow_special=True)
         tokens = await asyncio.to_thread(encode, prompt)
-        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": self.llm.engine.max_context})
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": self.llm.max_context})
 
     async def detokenize(self, body: JSONObject) -> JSONResponse:
         """vLLM's /detokenize: {"tokens"} -> {"prompt"}."""
@@ -145,7 +145,7 @@ class OpenAIHandlers:
             "eos_token": tokenizer.eos_token,
             "pad_token": None,
             "chat_template": self.llm.template.source,
-            "model_max_length": self.llm.engine.max_context,
+            "model_max_length": self.llm.max_context,
         }
 
     async def health(self) -> JSONResponse:

@@ -1,4 +1,4 @@
-"""The engine thread: one thread owns the `Generation` (which is not thread-safe) and steps it while there is
+"""The engine thread: one thread owns the `TextEngine` (which is not thread-safe) and steps it while there is
 work; the HTTP handlers talk to it only through a thread-safe inbox.
 
 Requests from every connection go into the same engine, so continuous batching runs them together. Each
@@ -24,7 +24,8 @@ from collections.abc import Callable
 
 from jaxllama.engine.request import SamplingParams
 from jaxllama.errors import EngineUnavailable, InvalidParameter, QueueFull
-from jaxllama.generation import Event, Generation
+from jaxllama.results import Event
+from jaxllama.text_engine import TextEngine
 
 __all__ = ["EngineUnavailable", "EngineWorker", "QueueFull", "RequestStream"]
 
@@ -66,16 +67,16 @@ class _Tracked:
 
 
 class EngineWorker:
-    """Runs a `Generation` on its own thread for callers on other threads.
+    """Runs a `TextEngine` on its own thread for callers on other threads.
 
     `metrics` (a `jaxllama.server.metrics.Metrics`, optional) is told about accepted prompts, first tokens,
     later tokens and finished requests.
     """
 
-    def __init__(self, generation: Generation, *, slots: int, max_queue: int = 256, metrics=None):
+    def __init__(self, text_engine: TextEngine, *, slots: int, max_queue: int = 256, metrics=None):
         if max_queue < 0:
             raise ValueError(f"max_queue={max_queue}: must be >= 0")
-        self.generation, self.slots, self.max_queue, self.metrics = generation, slots, max_queue, metrics
+        self.text_engine, self.slots, self.max_queue, self.metrics = text_engine, slots, max_queue, metrics
         self.error: BaseException | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -167,7 +168,7 @@ class EngineWorker:
     @property
     def running(self) -> int:
         """Samples holding a slot of the engine."""
-        return self.generation.engine.running
+        return self.text_engine.engine.running
 
     @property
     def waiting(self) -> int:
@@ -182,12 +183,12 @@ class EngineWorker:
     def _loop(self) -> None:
         try:
             while True:
-                busy = self.generation.has_work() and not self._paused
+                busy = self.text_engine.has_work() and not self._paused
                 if not self._take_commands(block=not busy):
                     break
-                if self._paused or not self.generation.has_work():
+                if self._paused or not self.text_engine.has_work():
                     continue
-                events = self.generation.step()
+                events = self.text_engine.step()
                 now = time.perf_counter()
                 for event in events:
                     self._dispatch(event, now)
@@ -220,7 +221,7 @@ class EngineWorker:
 
     def _admit(self, s: _Submit) -> None:
         try:
-            self.generation.submit(s.id, s.prompt, s.params, s.stop, logprobs=s.logprobs, grammar=s.grammar, n=s.n)
+            self.text_engine.submit(s.id, s.prompt, s.params, s.stop, logprobs=s.logprobs, grammar=s.grammar, n=s.n)
         except ValueError as e:
             self._release(s.n)
             _safe(s.deliver, e)
@@ -234,8 +235,8 @@ class EngineWorker:
         if tracked is None:  # finished already, or never admitted
             return
         tracked.deliver = None
-        self.generation.cancel(rid)
-        if not self.generation.running(rid):  # it was waiting for a slot: dropped at once
+        self.text_engine.cancel(rid)
+        if not self.text_engine.running(rid):  # it was waiting for a slot: dropped at once
             del self._tracked[rid]
             self._release(tracked.samples)
             if self.metrics:

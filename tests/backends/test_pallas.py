@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from jaxllama.backends.pallas import GpuOps, TpuOps
 from jaxllama.core import int8_kv
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import Ops
+from jaxllama.engine.options import EngineOptions
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -112,8 +114,7 @@ def test_blocks_are_read_as_int8_weights_on_a_tpu_and_as_blocks_on_a_cpu_mesh(tm
     assert not backends.choose(cpu, "q8_0", tmp_path).int8_weights
     # the memory plan counts what the products read: int8 weights, not blocks
     stored = aot.quantized(config, "q8_0")
-    plan = aot.memory.plan(stored, aot.target_devices("v5e:2x2")[0], "data=1,model=4", 8, 512, jnp.bfloat16)
-    int8 = aot.memory.plan(
-        config, aot.target_devices("v5e:2x2")[0], "data=1,model=4", 8, 512, jnp.bfloat16, quantize="int8"
-    )
+    devices, sizes = aot.target_devices("v5e:2x2")[0], EngineOptions(max_slots=8, max_context=512)
+    plan = aot.memory.plan(stored, devices, "data=1,model=4", sizes, jnp.bfloat16)
+    int8 = aot.memory.plan(config, devices, "data=1,model=4", replace(sizes, quantize="int8"), jnp.bfloat16)
     assert plan.footprint.weights == int8.footprint.weights

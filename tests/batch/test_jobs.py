@@ -14,6 +14,7 @@ from jaxllama.batch.writer import OrderedWriter
 from jaxllama.engine.request import SamplingParams
 from jaxllama.protocol import errors
 from jaxllama.protocol.pipeline import RequestPipeline
+from tests.helpers.protocol import Characters
 
 OPENAI = {"custom_id": "b1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
 
@@ -84,14 +85,6 @@ def test_error_records_take_the_code_of_the_class_whatever_the_message():
         (ValueError("the context limit is 256"), "invalid_request"),
     ]:
         assert records.failure(line, error)["error"] == {"code": code, "message": str(error), "line": 4}
-
-
-class Characters:
-    def encode(self, text):
-        return [ord(c) for c in text]
-
-    def encode_chat(self, messages):
-        return self.encode("".join(m["content"] for m in messages))
 
 
 @pytest.mark.parametrize(
@@ -184,12 +177,12 @@ def test_job_lines_end_at_newline_only_and_bad_bytes_cost_their_line(tmp_path):
 
 
 class Engineless:
-    """Stands in for `LLM.generation`: refuses a prompt with a fault that no check expects."""
+    """Stands in for `LLM.text_engine`: refuses a prompt with a fault that no check expects."""
 
     name = "none"
 
     def __init__(self):
-        self.generation = self
+        self.text_engine = self
         self.submitted = []
 
     def submit(self, rid, prompt, params, stop, logprobs=False, priority=0, grammar=None, n=1):
@@ -200,12 +193,12 @@ class Engineless:
 
 def test_an_unexpected_failure_is_that_lines_internal_error(tmp_path):
     from jaxllama.batch.progress import Progress
-    from jaxllama.batch.runner import JobStats, _Batch
+    from jaxllama.batch.runner import JobStats, _JobOnEngine
 
     out, llm, stats = tmp_path / "out.jsonl", Engineless(), JobStats()
     pipeline = RequestPipeline(Characters(), SamplingParams(), output_options=False)
     with OrderedWriter(out, [1, 2]) as writer:
-        batch = _Batch(llm, pipeline, writer, stats, Progress(2, quiet=True))
+        batch = _JobOnEngine(llm, pipeline, writer, stats, Progress(2, quiet=True))
         batch.submit(read_line('{"id": "a", "prompt": "boom"}', 1))
         batch.submit(read_line('{"id": "b", "prompt": "fine"}', 2))
     assert llm.submitted == [2] and stats.failed == 1

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from jaxllama.batch import records
+from tests.helpers.cli import jaxllama
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,21 +22,6 @@ REPO = Path(__file__).resolve().parents[2]
 def tiny_chat(tiny_chat_checkpoint) -> Path:
     """The session's tiny chat model (tests/conftest.py)."""
     return tiny_chat_checkpoint
-
-
-def jaxllama(*args, env=None, timeout=600, **kwargs):
-    """The `jaxllama` command in a subprocess, sharing the test session's caches; its output captured."""
-    env = {**os.environ, "JAXLLAMA_CACHE": os.environ.get("JAXLLAMA_TEST_CACHE", ""), **(env or {})}
-    env = {k: v for k, v in env.items() if v != ""}
-    return subprocess.run(
-        [sys.executable, "-m", "jaxllama.cli", *map(str, args)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        **kwargs,
-    )
 
 
 def write_job(path: Path, lines) -> Path:

@@ -13,7 +13,7 @@ import torch
 from converters.llama import convert
 from jaxllama.core.checkpoint import load_checkpoint
 from jaxllama.core.model import sequence_logits
-from tests.factories import Tiny, copy_gguf, hf_state, meta_state, write_gguf, write_hf, write_meta
+from tests.factories import GGUF_TYPE_MIX, Tiny, copy_gguf, hf_state, meta_state, write_gguf, write_hf, write_meta
 
 TINIES = {
     "mqa-tied": Tiny(heads=8, kv_heads=1, tied=True, vocab=131),
@@ -48,19 +48,6 @@ def test_hf_sharded_safetensors(tmp_path):
     np.testing.assert_allclose(ours(tmp_path / "ckpt"), hf_logits(model), atol=1e-4)
 
 
-GGUF_TYPES = {
-    "token_embd": "Q8_0",
-    "attn_q": "Q4_0",
-    "attn_k": "Q4_1",
-    "attn_v": "F16",
-    "attn_output": "Q5_0",
-    "ffn_gate": "Q8_0",
-    "ffn_up": "BF16",
-    "ffn_down": "Q5_1",
-    "output.": "Q8_0",
-}
-
-
 @pytest.mark.parametrize("name", TINIES)
 def test_gguf_matches_transformers(name, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -69,7 +56,7 @@ def test_gguf_matches_transformers(name, tmp_path):
     if tiny.rope_scaling:
         pytest.skip("GGUF carries Llama 3.1 scaling as a rope_freqs tensor: see test_gguf_rope_freqs")
     state = hf_state(write_hf(tiny, tmp_path / "hf"))
-    write_gguf(tiny, state, tmp_path / "m.gguf", GGUF_TYPES)
+    write_gguf(tiny, state, tmp_path / "m.gguf", GGUF_TYPE_MIX)
     convert(tmp_path / "m.gguf", tmp_path / "ckpt", dtype="float32", progress=False)  # every type dequantized
     oracle = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
     np.testing.assert_allclose(ours(tmp_path / "ckpt"), hf_logits(oracle), atol=1e-4)

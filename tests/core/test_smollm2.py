@@ -83,7 +83,7 @@ def test_greedy_tokens_through_the_paged_cache_are_the_cpu_kernels(smollm2_float
 
     kernels = Engine(config, params, mesh, max_slots=4)
     paged = Engine(config, params, mesh, max_slots=4, cpu_kernels=False, page_size=16)
-    assert paged.device.pages is not None and kernels.device.pages is None
+    assert paged.runner.pages is not None and kernels.runner.pages is None
     together = greedy(kernels, PROMPTS)
     assert [greedy(paged, [p])[0] for p in PROMPTS] == together
     assert greedy(paged, PROMPTS) == together

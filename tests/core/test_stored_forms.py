@@ -20,8 +20,7 @@ from jaxllama.core.model import sequence_logits
 from jaxllama.core.ops import XLA
 from jaxllama.core.params import stored_bytes
 from jaxllama.core.sharding import make_mesh
-from tests.core import test_converters
-from tests.factories import Tiny, hf_state, write_gguf, write_hf
+from tests.factories import GGUF_TYPE_MIX, Tiny, hf_state, write_gguf, write_hf
 
 TINY = Tiny(heads=8, kv_heads=2, vocab=131, ffn=96)  # ffn 96: w2's inputs split on 2 devices are not whole blocks
 TOKENS = np.array([[1, 5, 9, 100, 77, 3, 42, 8], [2, 130, 7, 7, 7, 1, 99, 15]])
@@ -49,7 +48,7 @@ def test_quantize_is_gguf_quantize(format, shape, in_dims, monkeypatch):
     np.testing.assert_array_equal(ours.scales, expected.scales)
 
 
-GGUF_TYPES = {**test_converters.GGUF_TYPES, "output.": "Q4_0"}  # the converters' mix, with a Q4_0 output
+GGUF_TYPES = {**GGUF_TYPE_MIX, "output.": "Q4_0"}  # the converters' mix, with a Q4_0 output
 EXPECTED_FORMS = {"wq": "q4_0", "wk": "q8_0", "wv": "bfloat16", "wo": "q8_0", "w1": "q8_0", "w3": "bfloat16"}
 
 

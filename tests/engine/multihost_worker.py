@@ -22,9 +22,7 @@ from jaxllama.core.params import param_shardings
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.request import Request, SamplingParams
-from tests.engine.conftest import random_prompts, tiny_config
-
-EOS = 2
+from tests.helpers.engine import EOS, random_prompts, tiny_config
 
 # name: (config overrides, mesh, decode steps). The data axis across the processes, the model axis within each,
 # with fewer KV heads than the model axis (replicated). tests/batch/test_run_multihost.py puts the model axis

@@ -16,6 +16,7 @@ from jaxllama.cli import main
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.shapes import known_shape
 from jaxllama.engine import aot, memory
+from jaxllama.engine.options import EngineOptions
 from jaxllama.errors import ModelTooLarge
 from jaxllama.llm import LLM
 
@@ -80,7 +81,7 @@ def test_the_plan_counts_the_cache_and_its_growth_and_picks_a_mesh_that_fits():
     config = aot.quantized(known_shape("llama-3.1-70b"), "q8_0")
     bf16 = jnp.bfloat16
     # 8 slots x 2048 fits; the mesh keeps a whole copy of the weights on no device (75 GB > 16 GiB)...
-    plan = memory.plan(config, devices, None, 8, 2048, bf16)
+    plan = memory.plan(config, devices, None, EngineOptions(max_slots=8, max_context=2048), bf16)
     assert plan.fits and plan.mesh.shape["model"] >= 8 and plan.context == 2048
     fp = plan.footprint
     kv_heads_per_device = 8 // min(8, plan.mesh.shape["model"])  # 8 KV heads split at most 8 ways, else replicated
@@ -89,15 +90,15 @@ def test_the_plan_counts_the_cache_and_its_growth_and_picks_a_mesh_that_fits():
     assert fp.growth == fp.cache // 80 and fp.total <= 16 * GiB
     # ... and moves the fewest bytes per decode step of the meshes that fit
     for spec in ("data=1,model=16", "data=2,model=8"):
-        other = memory.plan(config, devices, spec, 8, 2048, bf16)
+        other = memory.plan(config, devices, spec, EngineOptions(max_slots=8, max_context=2048), bf16)
         assert memory.decode_bytes(plan) <= memory.decode_bytes(other)
     with pytest.raises(ModelTooLarge, match="mesh data=16,model=1"):
-        memory.plan(config, devices, "data=16,model=1", 8, 2048, bf16)
+        memory.plan(config, devices, "data=16,model=1", EngineOptions(max_slots=8, max_context=2048), bf16)
     # a context asked for that cannot fit beside the weights is refused with both figures...
     with pytest.raises(ModelTooLarge, match=r"needs about .* GiB per device .* holds 16\.0 GiB"):
-        memory.plan(config, devices, None, 64, 8192, bf16)
+        memory.plan(config, devices, None, EngineOptions(max_slots=64, max_context=8192), bf16)
     # ... and without one the context is the longest that fits
-    longest = memory.plan(config, devices, None, 64, None, bf16)
+    longest = memory.plan(config, devices, None, EngineOptions(max_slots=64), bf16)
     assert longest.fits and 256 <= longest.context < 8192
 
 

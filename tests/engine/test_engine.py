@@ -13,45 +13,7 @@ from jaxllama.core.model import sequence_logits
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.request import Request, SamplingParams
-from tests.engine.conftest import random_prompts
-
-EOS = 2
-
-
-_forward = jax.jit(sequence_logits, static_argnums=1)
-
-
-def reference_greedy(config, params, prompt, max_tokens, eos=(EOS,), limit=None):
-    """Token by token with the full-sequence forward: the oracle for greedy decoding. Sequences are padded
-    to the context length (causal attention ignores what follows), so that this compiles once."""
-    seq, out = list(prompt), []
-    limit = limit or config.max_seq_len
-    while len(out) < max_tokens and len(seq) < limit:
-        padded = np.zeros((1, config.max_seq_len), np.int32)
-        padded[0, : len(seq)] = seq
-        token = int(np.argmax(np.asarray(_forward(params, config, jnp.asarray(padded)))[0, len(seq) - 1]))
-        out.append(token)
-        seq.append(token)
-        if token in eos:
-            break
-    return out
-
-
-def run(engine, requests):
-    tokens, finals = {}, {}
-    for u in engine.generate(requests):
-        tokens.setdefault(u.id, []).extend(u.tokens)
-        if u.finish_reason:
-            finals[u.id] = u
-    return tokens, finals
-
-
-def greedy_requests(n=10, seed=0):
-    rng = np.random.default_rng(seed + 1)
-    return [
-        Request(i, p, SamplingParams(max_tokens=int(rng.integers(1, 30)), temperature=0.0))
-        for i, p in enumerate(random_prompts(n, seed))
-    ]
+from tests.helpers.engine import EOS, forward, greedy_requests, random_prompts, reference_greedy, run
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +65,8 @@ def test_few_active_slots_decode_alone(tiny, expected, spec, steps, layers):
     mesh = make_mesh(config, spec, jax.devices()[: 4 if "2" in spec else 1])
     engine = Engine(config, params, mesh, eos_ids=[EOS], max_slots=32, decode_steps=steps, layers_per_program=layers)
     sizes = []
-    decode_rows = engine._decode_columns
-    engine._decode_columns = lambda: sizes.append(len(rows := decode_rows())) or rows
+    decode_rows = engine.scheduler._decode_columns
+    engine.scheduler._decode_columns = lambda: sizes.append(len(rows := decode_rows())) or rows
     tokens, _ = run(engine, greedy_requests())
     assert tokens == expected
     data = mesh.shape["data"]
@@ -228,7 +190,7 @@ def test_donated_weights_are_replaced_by_the_prepared_ones(tiny, expected):
         assert not mine["layers_0"]["attention_norm"]["scale"].is_deleted()  # kept as it is: not a product
         tokens = jnp.asarray([greedy_requests()[0].prompt])
         prepared = sequence_logits(engine.params, config, tokens, engine.ops)
-        np.testing.assert_allclose(prepared, _forward(params, config, tokens), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(prepared, forward(params, config, tokens), rtol=1e-4, atol=1e-4)
 
 
 def test_ignore_eos_and_min_tokens(tiny):

@@ -14,9 +14,7 @@ from jaxllama.core.model import empty_cache, forward
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine import kvcache
 from jaxllama.engine.engine import Engine
-from tests.engine.conftest import random_prompts
-from tests.engine.test_engine import EOS, reference_greedy, run
-from tests.engine.test_prefix import _greedy, _logprobs
+from tests.helpers.engine import EOS, greedy_request, random_prompts, reference_greedy, run, token_logprobs
 
 
 def _xla_engine(tiny, **kw):
@@ -54,15 +52,15 @@ def test_the_engine_decodes_through_an_int8_cache_batch_invariant(tiny):
     XLA's rounding, which differs with the products' row counts: exact batch invariance is the CPU kernels')."""
     config, params = tiny
     engine = _xla_engine(tiny, max_slots=8)
-    assert engine.device.cache[0][0].values.dtype == jnp.int8
+    assert engine.runner.cache[0][0].values.dtype == jnp.int8
     prompts = random_prompts(6, seed=4)
-    tokens, _ = run(engine, [_greedy(i, p) for i, p in enumerate(prompts)])
+    tokens, _ = run(engine, [greedy_request(i, p) for i, p in enumerate(prompts)])
     agree = [tokens[i] == reference_greedy(config, params, p, 12) for i, p in enumerate(prompts)]
     assert sum(agree) >= len(prompts) - 1
-    alone, _ = run(_xla_engine(tiny, max_slots=8), [_greedy(2, prompts[2])])
+    alone, _ = run(_xla_engine(tiny, max_slots=8), [greedy_request(2, prompts[2])])
     assert alone[2] == tokens[2]
-    one = _logprobs(_xla_engine(tiny, max_slots=8), _greedy("x", prompts[2]))
-    batch = [_greedy(i, p) for i, p in enumerate(prompts)]
+    one = token_logprobs(_xla_engine(tiny, max_slots=8), greedy_request("x", prompts[2]))
+    batch = [greedy_request(i, p) for i, p in enumerate(prompts)]
     together = [lp for u in _xla_engine(tiny, max_slots=8).generate(batch) if u.id == 2 for lp in u.logprobs]
     np.testing.assert_allclose(together, one, rtol=1e-5)
 
@@ -71,11 +69,12 @@ def test_a_stored_prefix_gives_the_numbers_computed_afresh(tiny):
     rng = np.random.default_rng(6)
     first = rng.integers(3, 131, 30).tolist()
     second = first + rng.integers(3, 131, 9).tolist()
-    fresh = _logprobs(_xla_engine(tiny, max_slots=4), _greedy("b", second))
+    fresh = token_logprobs(_xla_engine(tiny, max_slots=4), greedy_request("b", second))
     engine = _xla_engine(tiny, max_slots=4)
-    _logprobs(engine, _greedy("a", first, 4))
-    assert engine.prefixes.best(second)[1] >= 20
-    np.testing.assert_allclose(_logprobs(engine, _greedy("b", second)), fresh, rtol=1e-5)  # to XLA's rounding
+    token_logprobs(engine, greedy_request("a", first, 4))
+    assert engine.scheduler.prefixes.best(second)[1] >= 20
+    again = token_logprobs(engine, greedy_request("b", second))
+    np.testing.assert_allclose(again, fresh, rtol=1e-5)  # to XLA's rounding
 
 
 def test_the_cpu_kernels_refuse_it_and_the_bytes_are_a_quarter_of_float32s(tiny):

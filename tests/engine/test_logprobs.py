@@ -14,7 +14,7 @@ from jaxllama.core.model import sequence_logits
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.request import MAX_LOGPROBS, Request, SamplingParams
-from tests.engine.test_engine import run
+from tests.helpers.engine import run
 
 _forward = jax.jit(sequence_logits, static_argnums=1)
 

@@ -11,9 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from tests.engine.conftest import spread_params
-from tests.engine.multihost_worker import CASES, EOS, case_config, requests, run_case
-from tests.engine.test_engine import reference_greedy
+from tests.engine.multihost_worker import CASES, case_config, requests, run_case
+from tests.helpers.engine import EOS, reference_greedy, spread_params
 from tests.multiprocess import free_port, run_processes
 
 PROCESSES = 2

@@ -17,8 +17,7 @@ from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.pages import PageTable
 from jaxllama.engine.request import Request, SamplingParams
-from tests.engine.test_engine import EOS, greedy_requests, reference_greedy, run
-from tests.engine.test_prefix import _greedy, _logprobs
+from tests.helpers.engine import EOS, greedy_request, greedy_requests, reference_greedy, run, token_logprobs
 
 
 def _pool(config, pages, page_size, dtype=jnp.float32):
@@ -104,12 +103,12 @@ def _paged(tiny, page_size=8, **kw):
 
 def test_the_engine_over_pages_decodes_as_the_full_forward_with_refilled_slots(tiny, expected):
     engine = _paged(tiny, max_slots=4, layers_per_program=2)
-    assert engine.device.pages is not None and engine.device.cache[0][0].shape[1] == 4 * 128 // 8
+    assert engine.runner.pages is not None and engine.runner.cache[0][0].shape[1] == 4 * 128 // 8
     tokens, _ = run(engine, greedy_requests())
     assert tokens == expected
     # every slot still holds its sequence's pages (for prefixes); nothing else is held
-    held = {p for pages in engine.device.pages.held for p in pages}
-    assert engine.device.pages.free == engine.device.pages.pages - len(held)
+    held = {p for pages in engine.runner.pages.held for p in pages}
+    assert engine.runner.pages.free == engine.runner.pages.pages - len(held)
 
 
 def test_pools_split_over_the_model_axis_decode_as_the_full_forward(tiny, expected):
@@ -117,8 +116,8 @@ def test_pools_split_over_the_model_axis_decode_as_the_full_forward(tiny, expect
     config, params = tiny
     mesh = make_mesh(config, "data=1,model=2", jax.devices()[:2])
     engine = Engine(config, params, mesh, eos_ids=[EOS], max_slots=4, page_size=8)
-    pool = engine.device.cache[0][0]
-    assert engine.device.pages is not None and pool.sharding.spec[0] == "model"
+    pool = engine.runner.cache[0][0]
+    assert engine.runner.pages is not None and pool.sharding.spec[0] == "model"
     tokens, _ = run(engine, greedy_requests())
     agree = sum(tokens[i] == expected[i] for i in expected)  # XLA's sums split over devices: a near-tie may differ
     assert agree >= len(expected) - 1
@@ -129,16 +128,16 @@ def test_a_prefix_is_read_from_the_pages_that_hold_it(tiny, dtype):
     rng = np.random.default_rng(6)
     first = rng.integers(3, 131, 30).tolist()
     second = first + rng.integers(3, 131, 9).tolist()
-    fresh = _logprobs(_paged(tiny, max_slots=4, kv_cache_dtype=dtype), _greedy("b", second))
+    fresh = token_logprobs(_paged(tiny, max_slots=4, kv_cache_dtype=dtype), greedy_request("b", second))
     engine = _paged(tiny, max_slots=4, kv_cache_dtype=dtype)
-    _logprobs(engine, _greedy("a", first, 4))
-    source, start = engine.prefixes.best(second)
+    token_logprobs(engine, greedy_request("a", first, 4))
+    source, start = engine.scheduler.prefixes.best(second)
     assert start == 24  # the 30 shared tokens' whole pages
-    pages = engine.device.pages
-    engine.add(_greedy("long", first, 40))  # its slot busy: "b" takes another slot, and the prefix's pages
+    pages = engine.runner.pages
+    engine.add(greedy_request("long", first, 40))  # its slot busy: "b" takes another slot, and the prefix's pages
     engine.step()
-    busy = next(s for s in range(4) if s in engine.active)
-    updates = list(engine.generate([_greedy("b", second)]))
+    busy = next(s for s in range(4) if s in engine.scheduler.active)
+    updates = list(engine.generate([greedy_request("b", second)]))
     assert [u.cached_tokens for u in updates if u.finish_reason and u.id == "b"] == [24]
     slot = next(s for s in range(4) if s not in (busy, source) and pages.held[s])
     assert pages.held[slot][:3] == pages.held[busy][:3]  # shared, not copied
@@ -155,5 +154,5 @@ def test_samples_of_one_prompt_share_its_pages(tiny):
     samples = [Request(i, prompt, SamplingParams(max_tokens=3, temperature=0.8, seed=i)) for i in range(3)]
     _, finals = run(engine, samples)
     assert sorted(u.cached_tokens for u in finals.values())[-2:] == [32, 32]
-    prompts = [held[:4] for held in engine.device.pages.held if held]
+    prompts = [held[:4] for held in engine.runner.pages.held if held]
     assert len(prompts) >= 3 and sum(p == prompts[0] for p in prompts) >= 3

@@ -10,17 +10,13 @@ from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.prefix import ResidentPrefixes, shared_prefixes
 from jaxllama.engine.request import Request, SamplingParams
-from tests.engine.test_engine import EOS, reference_greedy, run
+from tests.helpers.engine import EOS, greedy_request, reference_greedy, run, token_logprobs
 
 
 def _engine(tiny, spec="data=1,model=1", devices=1, **kw):
     config, params = tiny
     mesh = make_mesh(config, spec, jax.devices()[:devices])
     return Engine(config, params, mesh, eos_ids=[EOS], **kw)
-
-
-def _greedy(i, prompt, max_tokens=12):
-    return Request(i, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
 
 
 def test_resident_prefixes_choose_the_longest_and_leave_one_token_to_compute():
@@ -49,7 +45,7 @@ def test_prompts_admitted_together_share_their_prefix(tiny):
     system = rng.integers(3, 131, 37).tolist()
     prompts = [system + rng.integers(3, 131, int(n)).tolist() for n in (1, 5, 9, 14, 30)]
     engine = _engine(tiny, max_slots=8)
-    tokens, finals = run(engine, [_greedy(i, p) for i, p in enumerate(prompts)])
+    tokens, finals = run(engine, [greedy_request(i, p) for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):
         assert tokens[i] == reference_greedy(config, params, p, 12), i
         assert finals[i].cached_tokens == len(system)
@@ -66,12 +62,12 @@ def test_a_later_turn_reuses_the_earlier_one_across_meshes(tiny):
     first = rng.integers(3, 131, 25).tolist()
     for spec, devices in (("data=1,model=1", 1), ("data=2,model=2", 4)):
         engine = _engine(tiny, spec, devices, max_slots=4)
-        turn_one = run(engine, [_greedy("a", first, 20)])[0]["a"]
+        turn_one = run(engine, [greedy_request("a", first, 20)])[0]["a"]
         assert turn_one == reference_greedy(config, params, first, 20)
         answer = turn_one if turn_one[-1] != EOS else turn_one[:-1]
         second = first + answer + rng.integers(3, 131, 6).tolist()
         other = rng.integers(3, 131, 30).tolist()  # shares nothing: computed in full alongside
-        tokens, finals = run(engine, [_greedy("b", second), _greedy("c", other)])
+        tokens, finals = run(engine, [greedy_request("b", second), greedy_request("c", other)])
         assert tokens["b"] == reference_greedy(config, params, second, 12), spec
         assert tokens["c"] == reference_greedy(config, params, other, 12), spec
         # the slot holds all but the last token of turn one (never fed back) unless that was the end token
@@ -102,18 +98,14 @@ def test_reuse_keeps_penalties_and_seeds_exact(tiny):
     assert alone == fresh
 
 
-def _logprobs(engine, request):
-    return [lp for u in engine.generate([request]) for lp in u.logprobs]
-
-
 def test_a_float16_cache_gives_the_same_numbers_from_a_stored_prefix_as_computed_afresh(tiny):
     """With the cache in 16 bits, a prompt computed from its start attends over the same rounded keys and values
     as one that starts from a slot's stored prefix: the same log-probabilities, to the bit, either way."""
     rng = np.random.default_rng(6)
     first = rng.integers(3, 131, 30).tolist()
     second = first + rng.integers(3, 131, 9).tolist()
-    fresh = _logprobs(_engine(tiny, max_slots=4, kv_cache_dtype="float16"), _greedy("b", second))
+    fresh = token_logprobs(_engine(tiny, max_slots=4, kv_cache_dtype="float16"), greedy_request("b", second))
     engine = _engine(tiny, max_slots=4, kv_cache_dtype="float16")
-    _logprobs(engine, _greedy("a", first, 4))
-    assert engine.prefixes.best(second)[1] >= 20  # the second prompt starts from the first's slot
-    assert _logprobs(engine, _greedy("b", second)) == fresh
+    token_logprobs(engine, greedy_request("a", first, 4))
+    assert engine.scheduler.prefixes.best(second)[1] >= 20  # the second prompt starts from the first's slot
+    assert token_logprobs(engine, greedy_request("b", second)) == fresh

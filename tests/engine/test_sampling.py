@@ -11,7 +11,7 @@ from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.request import Request, SamplingParams
 from jaxllama.engine.sampling import SamplingRows, candidate_mask
-from tests.engine.conftest import random_prompts
+from tests.helpers.engine import random_prompts
 
 
 def rows_for(params: list[SamplingParams]) -> SamplingRows:

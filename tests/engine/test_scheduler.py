@@ -11,12 +11,12 @@ import numpy as np
 from jaxllama.engine.interface import LENGTH, RUNNING, STOPPED, Sampled
 from jaxllama.engine.request import Request, SamplingParams
 from jaxllama.engine.scheduler import Scheduler
-from tests.engine.test_engine import run
+from tests.helpers.engine import run
 
 EOS = 99
 
 
-class ScriptedDevice:
+class ScriptedRunner:
     """Each slot counts up from its prompt's last token; a row stops at EOS (STOPPED), or LENGTH when its
     max_tokens are spent. Records every call."""
 
@@ -60,7 +60,7 @@ class ScriptedDevice:
 
 
 def test_finish_reasons_are_the_devices():
-    scheduler = Scheduler(ScriptedDevice())
+    scheduler = Scheduler(ScriptedRunner())
     tokens, finals = run(
         scheduler,
         [Request("eos", [95], SamplingParams(max_tokens=10)), Request("len", [10], SamplingParams(max_tokens=3))],
@@ -72,7 +72,7 @@ def test_finish_reasons_are_the_devices():
 
 
 def test_more_requests_than_slots_wait_and_take_freed_slots_by_priority():
-    device = ScriptedDevice()
+    device = ScriptedRunner()
     scheduler = Scheduler(device)
     requests = [Request(i, [10 * i], SamplingParams(max_tokens=2 + i), priority=i) for i in range(5)]
     tokens, finals = run(scheduler, requests)
@@ -83,7 +83,7 @@ def test_more_requests_than_slots_wait_and_take_freed_slots_by_priority():
 
 
 def test_finish_ends_a_running_request_with_its_reason_and_stops_its_slot():
-    device = ScriptedDevice()
+    device = ScriptedRunner()
     scheduler = Scheduler(device)
     scheduler.add(Request("a", [1], SamplingParams(max_tokens=50)))
     scheduler.add(Request("b", [50], SamplingParams(max_tokens=50)))
@@ -98,7 +98,7 @@ def test_finish_ends_a_running_request_with_its_reason_and_stops_its_slot():
 
 
 def test_finish_drops_a_waiting_request_at_once():
-    scheduler = Scheduler(ScriptedDevice())
+    scheduler = Scheduler(ScriptedRunner())
     for i in range(4):
         scheduler.add(Request(i, [1], SamplingParams(max_tokens=5)))
     scheduler.step()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import CHAT, CONTEXT, MODEL_NAME
+from tests.helpers.server import CHAT, CONTEXT, MODEL_NAME
 
 
 def test_models_lists_the_served_model(live):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import httpx
 
-from tests.server.conftest import PROMPT, free_port, server_process
+from tests.helpers.server import PROMPT, server_process
+from tests.multiprocess import free_port
 
 
 def test_litserve_example_answers(tiny_chat_checkpoint, reference):

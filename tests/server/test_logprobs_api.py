@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server.conftest import CHAT, MODEL_NAME, PROMPT
+from tests.helpers.server import CHAT, MODEL_NAME, PROMPT
 
 
 def log_softmax(llm, tokens) -> np.ndarray:

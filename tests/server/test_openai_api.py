@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from jaxllama.engine.request import SamplingParams
-from tests.server.conftest import CHAT, CONTEXT, MODEL_NAME, PROMPT, SLOTS
+from tests.helpers.server import CHAT, CONTEXT, MODEL_NAME, PROMPT, SLOTS
 
 
 def test_chat_completion_matches_the_python_api(live, reference):

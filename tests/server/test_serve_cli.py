@@ -7,7 +7,8 @@ import signal
 
 import pytest
 
-from tests.server.conftest import CHAT, CONTEXT, SLOTS, free_port, server_process
+from tests.helpers.server import CHAT, CONTEXT, SLOTS, server_process
+from tests.multiprocess import free_port
 
 
 def test_serve_answers_and_stops_on_ctrl_c(tiny_chat_checkpoint, reference):

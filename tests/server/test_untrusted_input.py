@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from jaxllama.protocol.responses import LOGPROB_FLOOR
-from tests.server.conftest import CHAT, PROMPT
+from tests.helpers.server import CHAT, PROMPT
 
 
 def test_request_preparation_runs_off_the_event_loop(live, monkeypatch):

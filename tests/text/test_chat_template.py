@@ -386,7 +386,7 @@ def test_llama2_contents_stay_text_as_in_meta_llama2(tmp_path_factory: pytest.Te
     sentencepiece, which never reads special-token text as a special token: the oracle."""
     import sentencepiece
 
-    from tests.text.test_tokenizer_sentencepiece import train_sentencepiece, write_gguf_vocab
+    from tests.helpers.text import train_sentencepiece, write_gguf_vocab
 
     folder = train_sentencepiece(tmp_path_factory.mktemp("spm"), model_type="bpe")
     oracle = sentencepiece.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))

@@ -24,7 +24,7 @@ from tokenizers import pre_tokenizers
 from jaxllama.text.gguf_vocab import tokenizer_files_from_gguf
 from jaxllama.text.hf_tokenizer import HFTokenizer
 from jaxllama.text.loading import load_tokenizer
-from tests.text.test_tokenizer_incremental import MULTIBYTE_TEXTS, any_token, assert_streams_like_decode
+from tests.helpers.text import MULTIBYTE_TEXTS, any_token, assert_streams_like_decode
 
 TEXTS = [
     "",

@@ -24,7 +24,7 @@ from jaxllama.text.gguf_vocab import tokenizer_files_from_gguf
 from jaxllama.text.hf_tokenizer import HFTokenizer
 from jaxllama.text.loading import load_tokenizer
 from jaxllama.text.tiktoken_tokenizer import SPLIT_PATTERN
-from tests.text.test_tokenizer_incremental import assert_streams_like_decode
+from tests.helpers.text import assert_streams_like_decode
 
 NUM_RANKS = 3000
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""

@@ -19,30 +19,14 @@ from hypothesis import strategies as st
 from jaxllama.text.loading import load_tokenizer
 from jaxllama.text.sentencepiece_tokenizer import SentencePieceTokenizer
 from jaxllama.text.tokenizer import Tokenizer
-from tests.text.test_tokenizer_sentencepiece import train_sentencepiece, write_gguf_vocab
-
-REPLACEMENT_CHAR = "\ufffd"
-# Multi-byte characters that vocabularies split into several (byte) tokens.
-MULTIBYTE_TEXTS = [
-    "héllo wörld ñ",
-    "東京タワーは日本の電波塔です。",
-    "emoji 👩‍👩‍👧‍👦 family, 🏳️‍🌈 flag, ✌🏽 skin tone, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
-    "mixed: Ελληνικά, русский, עברית, العربية, हिन्दी, ไทย, 한국어",
-    "  leading spaces\tand\ttabs\n\nnew lines  ",
-    "€ 😀 ∑ 𝄞 \U0010ffff",
-]
-
-
-def assert_streams_like_decode(tokenizer: Tokenizer, ids: list[int], *, skip_special: bool = False) -> list[str]:
-    """Push `ids` one by one; check the pieces against the whole-sequence decode. Returns the pieces."""
-    decoder = tokenizer.incremental_decoder(skip_special=skip_special)
-    pieces = [decoder.push(i) for i in ids]
-    pieces.append(decoder.flush())
-    full = tokenizer.decode(ids, skip_special=skip_special)
-    assert "".join(pieces) == full
-    if REPLACEMENT_CHAR not in full:
-        assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
-    return pieces
+from tests.helpers.text import (
+    MULTIBYTE_TEXTS,
+    REPLACEMENT_CHAR,
+    any_token,
+    assert_streams_like_decode,
+    train_sentencepiece,
+    write_gguf_vocab,
+)
 
 
 @pytest.fixture(scope="module")
@@ -153,12 +137,3 @@ def test_random_ids_stream_like_decode(llama3, spm, spm_gguf, data, skip_special
     for tokenizer in (llama3, spm, spm_gguf):
         ids = data.draw(st.lists(any_token(tokenizer), max_size=40))
         assert_streams_like_decode(tokenizer, ids, skip_special=skip_special)
-
-
-def any_token(tokenizer: Tokenizer) -> st.SearchStrategy[int]:
-    """Ids of any kind, with the low ids (single bytes in these vocabularies) and specials drawn often."""
-    return st.one_of(
-        st.integers(0, 300),
-        st.integers(0, tokenizer.vocab_size - 1),
-        st.sampled_from(sorted(tokenizer.special_tokens.values())),
-    )

@@ -15,7 +15,7 @@ from jaxllama.text.hf_tokenizer import HFTokenizer
 from jaxllama.text.loading import load_tokenizer
 from jaxllama.text.sentencepiece_tokenizer import SentencePieceTokenizer
 from jaxllama.text.tiktoken_tokenizer import Llama3Tokenizer, is_tiktoken_bpe_file
-from tests.text.test_tokenizer_sentencepiece import train_sentencepiece, write_gguf_vocab
+from tests.helpers.text import train_sentencepiece, write_gguf_vocab
 
 LLAMA3_MODEL = Path(llama_models.__file__).parent / "llama3" / "tokenizer.model"
 

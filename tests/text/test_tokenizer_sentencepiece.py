@@ -6,7 +6,6 @@ normalization, dummy prefix, whitespace kept), then written as a GGUF vocabulary
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import gguf
@@ -19,12 +18,8 @@ from jaxllama.text.gguf_vocab import tokenizer_files_from_gguf
 from jaxllama.text.hf_tokenizer import HFTokenizer
 from jaxllama.text.loading import load_tokenizer
 from jaxllama.text.sentencepiece_tokenizer import SentencePieceTokenizer
+from tests.helpers.text import USER_DEFINED, train_sentencepiece, write_gguf_vocab
 
-USER_DEFINED = "<tool>"
-WORDS = (
-    "the quick brown fox jumps over lazy dog hello world tokenizer café naïve 東京 日本語 ünïcödé "
-    "data model jax llama 12345 6789 x=y+1; (a,b) {c} def return"
-).split()
 TEXTS = [
     "",
     "hello world",
@@ -39,68 +34,6 @@ TEXTS = [
     "zzz qqq ßßß",
     "<s> is not special to sentencepiece",
 ]
-
-
-def train_sentencepiece(folder: Path, *, model_type: str, vocab_size: int = 500, add_dummy_prefix: bool = True) -> Path:
-    """Train a small byte-fallback model on a generated corpus; returns `folder` with tokenizer.model."""
-    rng = random.Random(0)
-    lines = [
-        rng.choice([" ", "  ", "\t", "   "]).join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
-        for _ in range(3000)
-    ]
-    corpus = folder / "corpus.txt"
-    corpus.write_text("\n".join(lines), encoding="utf-8")
-    sentencepiece.SentencePieceTrainer.train(
-        input=str(corpus),
-        model_prefix=str(folder / "tokenizer"),
-        model_type=model_type,
-        vocab_size=vocab_size,
-        byte_fallback=True,
-        character_coverage=1.0,
-        normalization_rule_name="identity",
-        add_dummy_prefix=add_dummy_prefix,
-        remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True,
-        split_digits=True,
-        user_defined_symbols=[USER_DEFINED],
-        minloglevel=2,
-    )
-    corpus.unlink()
-    (folder / "tokenizer.vocab").unlink()
-    return folder
-
-
-def write_gguf_vocab(sp: sentencepiece.SentencePieceProcessor, path: Path, *, add_space_prefix: bool = True) -> Path:
-    """The model's vocabulary as a GGUF file with tokenizer.ggml.model "llama", as llama.cpp writes it."""
-
-    def token_type(i: int) -> gguf.TokenType:
-        if sp.is_unknown(i):
-            return gguf.TokenType.UNKNOWN
-        if sp.is_control(i):
-            return gguf.TokenType.CONTROL
-        if sp.is_byte(i):
-            return gguf.TokenType.BYTE
-        if sp.id_to_piece(i) == USER_DEFINED:
-            return gguf.TokenType.USER_DEFINED
-        return gguf.TokenType.NORMAL
-
-    n = sp.get_piece_size()
-    writer = gguf.GGUFWriter(path, arch="llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([sp.id_to_piece(i) for i in range(n)])
-    writer.add_token_scores([sp.get_score(i) for i in range(n)])
-    writer.add_token_types([token_type(i) for i in range(n)])
-    writer.add_bos_token_id(sp.bos_id())
-    writer.add_eos_token_id(sp.eos_id())
-    writer.add_unk_token_id(sp.unk_id())
-    writer.add_add_bos_token(True)
-    writer.add_add_space_prefix(add_space_prefix)
-    writer.add_chat_template("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.fixture(scope="module")

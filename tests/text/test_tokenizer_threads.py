@@ -12,7 +12,7 @@ import pytest
 
 from jaxllama.text.loading import load_tokenizer
 from jaxllama.text.tokenizer import Tokenizer
-from tests.text.test_tokenizer_sentencepiece import train_sentencepiece
+from tests.helpers.text import train_sentencepiece
 
 LLAMA3_TOKENIZER_MODEL = Path(importlib.util.find_spec("llama_models").submodule_search_locations[0]) / "llama3"
 TEXT = "Llamas eat grass, hay and leaves; 12 of them ate 345 kg.\n" * 10_000  # about 0.5 MB

@@ -14,7 +14,7 @@ from jaxllama.core.ops import XLA
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.request import Request, SamplingParams
-from tests.engine.conftest import random_prompts, spread_params, tiny_config
+from tests.helpers.engine import random_prompts, spread_params, tiny_config
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
 
@@ -73,7 +73,7 @@ def test_engine_with_and_without_the_kernel_agree(kernel, kv_cache_dtype):
     for use in (True, False):
         mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
         engine = Engine(config, params, mesh, eos_ids=[], max_slots=8, cpu_kernels=use, kv_cache_dtype=kv_cache_dtype)
-        assert engine.device.cache[0][0].dtype == (jnp.float16 if kv_cache_dtype else jnp.float32)
+        assert engine.runner.cache[0][0].dtype == (jnp.float16 if kv_cache_dtype else jnp.float32)
         requests = [Request(i, p, SamplingParams(max_tokens=6 + i, temperature=0.0)) for i, p in enumerate(prompts)]
         out = {i: [] for i in range(len(prompts))}
         for update in engine.generate(requests):

@@ -14,7 +14,7 @@ import pytest
 from jaxllama.backends.cpu import matmul
 from jaxllama.backends.cpu.ops import CpuOps
 from jaxllama.core.ops import XLA
-from tests.engine.conftest import spread_params, tiny_config
+from tests.helpers.engine import spread_params, tiny_config
 
 CPU = CpuOps()
 

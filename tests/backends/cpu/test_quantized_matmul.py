@@ -9,17 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, quants
 
 from jaxllama.backends.cpu import matmul
 from jaxllama.backends.cpu.ops import CpuOps
 from jaxllama.core.checkpoint import load_checkpoint
-from jaxllama.core.products import PRODUCT_IN_DIMS
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.request import Request, SamplingParams
-from tests.engine.conftest import spread_params, tiny_config
-from tests.engine.test_engine import EOS, greedy_requests, reference_greedy, run
+from tests.helpers.engine import EOS, greedy_requests, reference_greedy, run, spread_params, tiny_config
+from tests.helpers.kernels import q8_0, weights, with_q8_0_weights
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
 
@@ -27,22 +25,6 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 @pytest.fixture(scope="module", autouse=True)
 def loaded(cpu_kernels):
     assert cpu_kernels
-
-
-def q8_0(w: np.ndarray) -> np.ndarray:
-    """ggml's Q8_0 round trip of w [..., in] (in a multiple of 32), by the gguf package."""
-    return quants.dequantize(
-        quants.quantize(np.asarray(w, np.float32), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
-    )
-
-
-def weights(rng, n_out, n_in):
-    """Rows of very different sizes, a row of zeros, a block of zeros and an outlier."""
-    w = rng.standard_normal((n_out, n_in)).astype(np.float32) * rng.uniform(0.01, 3, (n_out, 1)).astype(np.float32)
-    w[0] = 0
-    w[-1, :32] = 0
-    w[1, 5] = 40.0
-    return w
 
 
 def input_error_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -126,23 +108,6 @@ def test_prepare_quantizes_every_product():
     products = [p for p in products if isinstance(p, matmul.Packed)]
     assert len(products) == 4 * config.n_layers + 1
     assert all(p.panels.dtype == jnp.int8 and p.scales is not None for p in products)
-
-
-def with_q8_0_weights(params):
-    """params with every product's weight replaced by its Q8_0 round trip (gguf), along its input dims."""
-
-    def walk(node):
-        if not isinstance(node, dict):
-            return node
-        out = {}
-        for name, value in node.items():
-            if name in PRODUCT_IN_DIMS and not isinstance(value, dict):
-                n_in = int(np.prod(value.shape[value.ndim - PRODUCT_IN_DIMS[name] :]))
-                value = jnp.asarray(q8_0(np.asarray(value).reshape(-1, n_in)).reshape(value.shape))
-            out[name] = walk(value)
-        return out
-
-    return walk(params)
 
 
 def test_engine_on_quantized_weights_matches_the_forward_pass_on_them():

@@ -20,9 +20,8 @@ from jaxllama.core import blocks
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import sequence_logits
 from jaxllama.core.products import PRODUCT_IN_DIMS
-from tests.backends.cpu.test_quantized_matmul import weights
-from tests.backends.cpu.test_w8a8_matmul import inputs, padded
-from tests.engine.conftest import spread_params, tiny_config
+from tests.helpers.engine import spread_params, tiny_config
+from tests.helpers.kernels import inputs, padded, weights
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
 TYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}

@@ -17,9 +17,8 @@ from jaxllama.core.model import sequence_logits
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.request import Request, SamplingParams
-from tests.backends.cpu.test_quantized_matmul import q8_0, weights, with_q8_0_weights
-from tests.engine.conftest import spread_params, tiny_config
-from tests.engine.test_engine import run
+from tests.helpers.engine import run, spread_params, tiny_config
+from tests.helpers.kernels import inputs, padded, q8_0, weights, with_q8_0_weights
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
 
@@ -27,19 +26,6 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 @pytest.fixture(scope="module", autouse=True)
 def loaded(cpu_kernels):
     assert cpu_kernels
-
-
-def padded(x: np.ndarray) -> np.ndarray:
-    """x [rows, in] with zero inputs up to a whole number of Q8_0 blocks, as the kernel pads it."""
-    return np.pad(x, ((0, 0), (0, -x.shape[1] % matmul.Q_BLOCK)))
-
-
-def inputs(rng, rows, n_in):
-    """Rows of very different sizes, with an outlier and a row of zeros."""
-    x = rng.standard_normal((rows, n_in)).astype(np.float32) * rng.uniform(0.01, 10, (rows, 1)).astype(np.float32)
-    x[0, 3] = 50.0
-    x[-1] = 0.0
-    return x
 
 
 def test_weights_are_ggml_q8_0_to_the_bit():

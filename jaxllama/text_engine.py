@@ -1,6 +1,6 @@
 """From engine tokens to text: incremental detokenization, stop strings, and the result of each request.
 
-`Generation` wraps an `Engine` for the user-facing layers (the `LLM` API, the batch runner, the server):
+`TextEngine` wraps an `Engine` for the user-facing layers (the `LLM` API, the batch runner, the server):
 requests go in as token ids with sampling parameters and stop strings; text deltas and finished
 `Result`s come out. A stop string ends the request in the engine at once (`Engine.finish` with the string as its
 reason), freeing its slot.
@@ -10,70 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from jaxllama.engine.request import Request, SamplingParams, Timings, TopLogprobs
-from jaxllama.engine.scheduler import Scheduler
 from jaxllama.errors import InvalidParameter
+from jaxllama.results import Event, Result
 from jaxllama.text.stops import StopMatcher
 from jaxllama.text.structured import Grammar
 from jaxllama.text.tokenizer import Tokenizer
 
-
-@dataclasses.dataclass
-class Result:
-    """A finished request."""
-
-    id: object
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (end-of-generation token or stop string) | "length" | "cancelled" | "error"
-    stop_reason: str | int | None  # the stop string or token id that ended it
-    prompt_tokens: int
-    timings: Timings
-    logprobs: list[float] | None = None
-    cached_tokens: int = 0  # prompt tokens whose keys/values were reused from an earlier request
-    top_logprobs: list[TopLogprobs] | None = None  # per token, with logprobs and params.top_logprobs > 0
-    # With params.prompt_logprobs: per prompt token after the first, (its log-probability, its alternatives).
-    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
-    # With finish_reason "error": why the output could not be completed (its grammar reached the matcher's limits);
-    # its text is not an answer.
-    error: Exception | None = None
-
-    @property
-    def usage(self) -> dict:
-        """OpenAI's usage object of this result alone (`usage`)."""
-        return usage([[self]])
-
-
-def usage(prompts: Sequence[Sequence[Result]]) -> dict:
-    """OpenAI's usage object of an answer, from each prompt's results (its n samples): every prompt counted once, with
-    the tokens its first sample found in the cache, and every sample's generated tokens."""
-    firsts = [samples[0] for samples in prompts]
-    prompt = sum(r.prompt_tokens for r in firsts)
-    completion = sum(len(r.token_ids) for samples in prompts for r in samples)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
-    }
-
-
-@dataclasses.dataclass
-class Event:
-    """New text of one request's choice `index` (`delta`; a request asked for n samples has choices 0..n-1), the
-    tokens that made it (with their log-probabilities when the request asked for them), and the choice's `Result`
-    when it has finished; `last`: every choice of the request has finished (this is its last event)."""
-
-    id: object
-    delta: str
-    result: Result | None = None
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] | None = None
-    index: int = 0
-    last: bool = False
-    top_logprobs: list[TopLogprobs] | None = None
-    prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None  # on a request's first event, as `Result`'s
+if TYPE_CHECKING:
+    from jaxllama.engine.engine import Engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +39,7 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return (seed + index * 0x9E3779B97F4A7C15) % (1 << 63)
 
 
-class _Text:
+class _ChoiceText:
     """One request's text: incremental detokenizer followed by the stop-string stream."""
 
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], include_stop: bool):
@@ -128,7 +75,7 @@ class _Text:
 
 @dataclasses.dataclass
 class _Pending:
-    text: _Text
+    text: _ChoiceText
     prompt_tokens: int
     want_logprobs: bool
     params: SamplingParams
@@ -139,10 +86,10 @@ class _Pending:
     started: bool = False  # its first event has gone out
 
 
-class Generation:
+class TextEngine:
     """Drives an engine for requests given as token ids; not thread-safe (one thread calls `step`)."""
 
-    def __init__(self, engine: Scheduler, tokenizer: Tokenizer):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer):
         self.engine, self.tokenizer = engine, tokenizer
         self.pending: dict[object, _Pending] = {}  # by the engine's id: the request's, or a _Choice's
         self._choices: dict[object, list] = {}  # request id -> the engine ids of its choices not finished
@@ -171,7 +118,7 @@ class Generation:
             raise InvalidParameter(
                 "min_tokens: not with structured output, whose grammar decides where it ends", "min_tokens"
             )
-        _Text(self.tokenizer, stop, include_stop)  # validates the stop strings
+        _ChoiceText(self.tokenizer, stop, include_stop)  # validates the stop strings
         requests = []
         for i in range(n):
             choice = dataclasses.replace(params, seed=choice_seed(params.seed, i))
@@ -183,7 +130,7 @@ class Generation:
         for i, r in enumerate(requests):
             self.engine.add(r)
             self.pending[r.id] = _Pending(
-                _Text(self.tokenizer, stop, include_stop), len(prompt), logprobs, params, False, id, i
+                _ChoiceText(self.tokenizer, stop, include_stop), len(prompt), logprobs, params, False, id, i
             )
         self._choices[id] = [r.id for r in requests]
 

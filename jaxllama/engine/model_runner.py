@@ -1,4 +1,4 @@
-"""The engine's device half: the weights as the backend's products read them, the decode slots' KV cache and state,
+"""The engine's model runner: the weights as the backend's products read them, the decode slots' KV cache and state,
 and the compiled programs that advance them. A narrow interface in the spirit of JetStream's engine API:
 
 - `prefill(rows)`: compute prompts (or the part of them past a prefix another slot holds), insert them into decode
@@ -16,7 +16,7 @@ scheduler's business (`scheduler.py`). Multi-host: host inputs become global arr
 replicated, so every process gets the same answers.
 
 Nothing runs on a device until the first call: the decode state is made then, and the cache on a thread (one
-process) or then. An `abstract` device holds ShapeDtypeStructs instead of arrays (weights, state, cache) and its
+process) or then. An `abstract` runner holds ShapeDtypeStructs instead of arrays (weights, state, cache) and its
 calls compile each program they would run and return nothing (`engine/aot.py`), so that the engine's programs can
 be compiled for devices that cannot run them (a TPU topology described on a CPU host).
 """
@@ -40,6 +40,7 @@ from jaxllama.core.ops import Ops
 from jaxllama.core.sharding import named_sharding
 from jaxllama.engine import buckets, kvcache, step
 from jaxllama.engine.interface import PrefillRow, PromptLogprobs, Sampled
+from jaxllama.engine.options import EngineOptions
 from jaxllama.engine.pages import PageTable
 from jaxllama.engine.programs import Programs
 from jaxllama.engine.request import SamplingParams
@@ -51,9 +52,12 @@ MAX_STOP_IDS = 32  # end-of-generation ids a slot can hold: the model's and the 
 _ALLOCATOR = ThreadPoolExecutor(1, thread_name_prefix="jaxllama-kv-cache")
 
 
-class Device:
-    """Runs the model for `slots` decode slots on a mesh, with the backend's operations `ops`; keeps
-    `interface.DeviceInterface`. Not thread-safe."""
+class ModelRunner:
+    """Runs the model for `options.max_slots` decode slots on a mesh, with the backend's operations `ops`; keeps
+    `interface.ModelRunnerInterface`. Not thread-safe. `options`: resolved (`EngineOptions.resolved`), every field
+    given.
+    `donate_params`: preparing the weights may free the given ones it replaced. `abstract`: `params` are
+    ShapeDtypeStructs and the programs are only compiled (`engine/aot.py`)."""
 
     max_stop_ids = MAX_STOP_IDS
 
@@ -62,24 +66,20 @@ class Device:
         config: ModelConfig,
         params,
         mesh: Mesh,
+        options: EngineOptions,
         *,
         ops: Ops,
-        slots: int,
-        max_context: int,
         eos_ids: Sequence[int],
-        decode_steps: int,
-        layers_per_program: int,
-        cache_dtype,
-        min_cache: int,
         stats: EngineStats,
         donate_params: bool = False,
         abstract: bool = False,
-        page_size: int = 0,
     ):
         if len(eos_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} end-of-generation ids, got {len(eos_ids)}")
         self.config, self.mesh, self.ops, self.stats = config, mesh, ops, stats
-        self.slots, self.max_context, self.decode_steps = slots, max_context, decode_steps
+        slots, max_context, page_size = options.max_slots, options.max_context, options.page_size
+        self.slots, self.max_context, self.decode_steps = slots, max_context, options.decode_steps
+        cache_dtype = kvcache.dtype(options.kv_cache_dtype, None)
         self.eos_ids = tuple(eos_ids)
         self.vocab_size, self.row_multiple = config.vocab_size, mesh.shape["data"]
         self.cache_dtype, self.abstract = cache_dtype, abstract
@@ -108,7 +108,8 @@ class Device:
         # part's weights that preparing replaced are freed before the next part is prepared, so that the two copies
         # of the model never coexist.
         n = config.n_layers
-        self._runs = [(a, min(a + layers_per_program, n)) for a in range(0, n, layers_per_program)]
+        per = options.layers_per_program
+        self._runs = [(a, min(a + per, n)) for a in range(0, n, per)]
         self._run_params = []
         for a, b in self._runs:
             self._run_params.append(_prepare(ops, layer_params(params, config, a, b), config, donate_params, abstract))
@@ -120,7 +121,8 @@ class Device:
         self._state = None
         # In one process the cache is allocated on a thread: the first touch of its pages (on a CPU, ~1 s a GB) then
         # overlaps the host's work up to the first prefill, which loads its programs meanwhile.
-        length = max_context if self.pages else buckets.bucket(min_cache, max_context)  # a pool is never resized
+        # A pool is never resized.
+        length = max_context if self.pages else buckets.bucket(options.min_cache, max_context)
         shape = (config, mesh, slots, length, cache_dtype, self.layout)
         self._allocate = functools.partial(kvcache.allocate, *shape)
         self._cache, self._allocating = None, None
@@ -389,7 +391,7 @@ class _PrefillBatch:
     OUTPUT_ARGS = ("starts", "lengths", "slots", "seen", "sampling", "max_tokens", "limits", "stop_ids", "mask")
 
     @staticmethod
-    def of(rows: Sequence[PrefillRow], device: Device, masked: bool = False) -> _PrefillBatch:
+    def of(rows: Sequence[PrefillRow], device: ModelRunner, masked: bool = False) -> _PrefillBatch:
         """`masked`: the first tokens are drawn under bitmasks (then [n, mask_words] of ones until given)."""
         q = buckets.prompt_bucket(max(len(r.tokens) for r in rows), device.max_context)
         fresh = all(r.start == 0 for r in rows)
