@@ -143,6 +143,7 @@ def test_the_readme_shows_each_command_as_its_help_does():
         assert line in readme, f"README.md lacks: {line}"
 
 
+@pytest.mark.slow
 def test_a_gguf_model_a_relative_checkpoint_a_smaller_mesh_and_what_a_cold_start_says(tmp_path):
     """One run from a GGUF file on 2 of the 8 CPU devices, each phase said on stderr; then one with --quiet from its
     conversion named by a relative path, stopping at a --stop written with escapes."""

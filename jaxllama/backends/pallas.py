@@ -53,12 +53,6 @@ class PallasOps(Ops):
         against 135.0 tok/s per sequence)."""
         return PAGE_SIZE if self.int8_cache or not int8_kv.is_int8(cache_dtype) else 0
 
-    def gated(self, x, p: dict, gate: str, up: str) -> jax.Array:
-        # Kept out of the product that reads it: fused into that product's input, silu is computed again for every
-        # tile of the product's output (`jaxllama compile`, 70B bf16 prefill 8 x 512 on v6e:2x4: 141.9 ms by the
-        # compiler's cycles; 124.8 ms with it apart, where it fuses into the up projection's output instead).
-        return jax.lax.optimization_barrier(super().gated(x, p, gate, up))
-
     def paged_attention(self, q, pool_k, pool_v, positions, table) -> jax.Array:
         mesh = jax.sharding.get_abstract_mesh()
         model = 1 if mesh.empty or "model" not in mesh.axis_names else mesh.shape["model"]

@@ -38,6 +38,7 @@ def _case(kv=2, g=4, hd=128, page_size=16, pages=12):
     return q, pool_k, pool_v, positions, table
 
 
+@pytest.mark.slow
 def test_the_pallas_kernel_gives_xlas_attention_over_the_same_pages():
     args = _case()
     want = Ops(float32_products=True).paged_attention(*args)
@@ -107,6 +108,7 @@ def test_a_fresh_prompt_through_the_kernel_gives_the_models_logits():
     assert float(jnp.abs(written[0][0]).sum()) > 0  # the keys are written all the same
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("int8", [False, True])
 def test_the_gpu_kernel_gives_xlas_attention_over_the_same_pages(int8):
     q, pool_k, pool_v, positions, table = _case(g=4)
@@ -120,6 +122,7 @@ def test_the_gpu_kernel_gives_xlas_attention_over_the_same_pages(int8):
     assert "pallas_call" in str(jax.make_jaxpr(GpuOps(interpret=True).paged_attention)(*args))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["tpu", "gpu"])
 def test_split_over_the_model_axis_each_device_attends_with_its_own_heads(kernel):
     if len(jax.devices()) < 2:
@@ -138,6 +141,7 @@ def test_split_over_the_model_axis_each_device_attends_with_its_own_heads(kernel
     np.testing.assert_allclose(got, want, atol=1e-2 if kernel == "tpu" else 2e-5)
 
 
+@pytest.mark.slow
 @needs_libtpu
 @pytest.mark.parametrize("dim, kernel", [(512, True), (128, False)])  # heads of 128 and of 32
 def test_the_engine_compiled_for_a_tpu_slice_runs_the_kernels_where_they_can(dim, kernel):

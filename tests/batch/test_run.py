@@ -66,6 +66,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 def test_every_shape_in_order_with_error_records(tiny_chat, tmp_path):
     job = write_job(
         tmp_path / "job.jsonl",
@@ -108,6 +109,7 @@ def test_every_shape_in_order_with_error_records(tiny_chat, tmp_path):
     assert "requests: 5 ok, 6 failed" in proc.stderr
 
 
+@pytest.mark.slow
 def test_stop_strings_and_per_line_parameters(tiny_chat, tmp_path):
     base = write_job(tmp_path / "base.jsonl", [{"id": "x", "prompt": "the cat", "max_tokens": 12, "temperature": 0}])
     assert jaxllama("run", base, "--model", tiny_chat).returncode == 0
@@ -158,6 +160,7 @@ def without_timings(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "timings"} for r in records]
 
 
+@pytest.mark.slow
 def test_resume_after_ctrl_c_or_kill_loses_and_duplicates_nothing(tiny_chat, tmp_path):
     # max_tokens growing along the job: longest first runs the last lines first, so that finished lines wait in
     # the journal, not yet in the output
@@ -195,6 +198,7 @@ def test_resume_after_ctrl_c_or_kill_loses_and_duplicates_nothing(tiny_chat, tmp
     assert without_timings(read(out)) == without_timings(resumed)
 
 
+@pytest.mark.slow
 def test_failed_lines_run_again_on_resume_and_settings_must_match(tiny_chat, tmp_path):
     bad = {"id": "b", "prompt": "the dog", "max_tokens": 4, "temperature": 0, "top_p": 1.5}
     lines = [GOOD[1], bad, {"id": "c", "prompt": "in the", "max_tokens": 3, "temperature": 0}]
@@ -220,6 +224,7 @@ def test_failed_lines_run_again_on_resume_and_settings_must_match(tiny_chat, tmp
     assert jaxllama("run", job, "--model", tiny_chat, "--system-prompt", "be brief", "--overwrite").returncode == 0
 
 
+@pytest.mark.slow
 def test_the_worst_lines_cost_only_themselves(tiny_chat, tmp_path):
     plain = {"prompt": "the cat", "max_tokens": 2, "temperature": 0}
     raw = [
@@ -252,6 +257,7 @@ def test_unreadable_job_or_model_fails_at_once(tiny_chat, tmp_path):
     assert proc.returncode == 2 and "no such file or directory" in proc.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_quantized_weights_and_a_float16_cache(tiny_chat, tmp_path):
     job = write_job(tmp_path / "job.jsonl", GOOD[:2])
     options = ("--quantize", "w8a8", "--kv-cache-dtype", "float16")
@@ -277,6 +283,7 @@ def test_help_is_readable():
     assert "Run a JSONL job" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_a_second_run_on_the_same_output_is_refused_at_once(tiny_chat, tmp_path):
     """One writer per output: while a run holds it (here this process, as a run would), another is refused before its
     model loads, naming the holder (in this process too: the second run's lock is another open file's); once the
