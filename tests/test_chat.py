@@ -34,6 +34,7 @@ def conversation(llm) -> tuple[list[list[dict]], list]:
     return before, replies
 
 
+@pytest.mark.slow
 def test_chat_through_a_pipe_replies_as_llm_chat(tiny_chat_checkpoint, llm):
     _, replies = conversation(llm)
     alone = llm.chat([{"role": "user", "content": TURNS[1]}], max_tokens=MAX_TOKENS, temperature=0).text
@@ -54,6 +55,7 @@ def test_chat_through_a_pipe_replies_as_llm_chat(tiny_chat_checkpoint, llm):
     assert proc.stdout == "".join(f"you> model> {reply.text}\n" for reply in replies) + "you> \n"
 
 
+@pytest.mark.slow
 def test_greedy_replies_are_the_argmax_of_llm_logits(llm):
     before, replies = conversation(llm)
     for messages, reply in zip(before, replies, strict=True):

@@ -18,21 +18,22 @@ from jaxllama import __version__
 from jaxllama.cli import COMMANDS, METAVARS, REPEATABLE, main, run
 from jaxllama.cli_args import fire_argv, unescape, usage
 from tests.factories import write_chat_gguf
-from tests.helpers.cli import jaxllama
+from tests.helpers.cli import jaxllama, jaxllama_here
 from tests.readme import README
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_a_mistyped_flag_is_refused_before_the_model_loads(tiny_chat_checkpoint, tmp_path):
+def test_a_mistyped_flag_is_refused_before_the_model_loads(tiny_chat_checkpoint, tmp_path, monkeypatch):
     job = tmp_path / "job.jsonl"
     job.write_text(json.dumps({"id": "x", "prompt": "the cat", "max_tokens": 4}) + "\n")
-    proc = jaxllama("run", job, "--model", tiny_chat_checkpoint, "--max-token", "8", "--temprature", "0")
+    proc = jaxllama_here("run", job, "--model", tiny_chat_checkpoint, "--max-token", "8", "--temprature", "0")
     assert proc.returncode == 2 and "error: unknown flag --max-token" in proc.stderr
     assert "usage: jaxllama run JOB.jsonl [--model CKPT]" in proc.stderr
     assert not (tmp_path / "job.out.jsonl").exists()  # nothing ran
-    # serve would listen on its default port without a word about --prot (the timeout fails the test then)
-    proc = jaxllama("serve", "--model", tiny_chat_checkpoint, "--prot", "8001", timeout=60)
+    # serve would listen on its default port without a word about --prot: here it would fail the test as it loads
+    monkeypatch.setattr("jaxllama.cli._load", lambda *args, **kwargs: pytest.fail("serve loads the model"))
+    proc = jaxllama_here("serve", "--model", tiny_chat_checkpoint, "--prot", "8001")
     assert proc.returncode == 2 and "error: unknown flag --prot" in proc.stderr
 
 
@@ -51,8 +52,8 @@ def test_a_mistyped_flag_is_refused_before_the_model_loads(tiny_chat_checkpoint,
     ],
 )
 def test_a_command_line_the_command_cannot_take_exits_2_with_its_usage(args, message, capsys):
-    # In this process: `main` refuses it before anything loads (the command itself exits 2 the same way in
-    # test_version and test_a_mistyped_flag_is_refused_before_the_model_loads).
+    # In this process: `main` refuses it before anything loads (the command itself, in a process of its own, exits 2
+    # the same way in test_version).
     with pytest.raises(SystemExit) as e:
         main(args)
     stderr = capsys.readouterr().err
@@ -142,6 +143,7 @@ def test_the_readme_shows_each_command_as_its_help_does():
         assert line in readme, f"README.md lacks: {line}"
 
 
+@pytest.mark.slow
 def test_a_gguf_model_a_relative_checkpoint_a_smaller_mesh_and_what_a_cold_start_says(tmp_path):
     """One run from a GGUF file on 2 of the 8 CPU devices, each phase said on stderr; then one with --quiet from its
     conversion named by a relative path, stopping at a --stop written with escapes."""

@@ -28,6 +28,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
 
 
+@pytest.mark.slow
 def test_smollm2_prompt_logprobs_equal_transformers(smollm2_float32_checkpoint, transformers_smollm2):
     llm = LLM.load(
         smollm2_float32_checkpoint, mesh="data=1,model=1", max_slots=4, max_context=64, compilation_cache=False
@@ -50,6 +51,7 @@ def llm(tiny_chat_checkpoint):
     return LLM.load(tiny_chat_checkpoint, max_slots=SLOTS, max_context=CONTEXT, compilation_cache=False)
 
 
+@pytest.mark.slow
 def test_score_pairs_and_texts(llm):
     context = "the cat sat on the mat and looked at the dog"
     items = [(context, " and"), (context, " then it slept"), (context, " the"), "the dog sat", llm.encode("a cat")]

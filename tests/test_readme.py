@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests.readme import code_blocks
 
 
+@pytest.mark.slow
 def test_python_api_examples(tiny_chat_checkpoint, monkeypatch, capsys):
     from jaxllama.llm import LLM
 

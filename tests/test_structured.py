@@ -50,6 +50,7 @@ def ask(content):
     return [{"role": "user", "content": content}]
 
 
+@pytest.mark.slow
 def test_rows_with_their_own_schemas_in_one_job_all_parse_and_validate(llm, tmp_path):
     """One job, one batch: two JSON schemas, any JSON object, a regular expression, n sampled answers to a schema,
     one cut by max_tokens and an unconstrained line; each constrained answer that ends with "stop" matches what its
@@ -134,6 +135,7 @@ def test_a_sentencepiece_tokenizer_is_refused_clearly():
 DEEP_LARK = "start: a30\n" + "".join(f"a{i + 1}: a{i} a{i}\n" for i in range(30)).replace("a0 a0", '"x" "x"')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "field, value",
     [("guided_regex", "a{1000000}"), ("guided_grammar", DEEP_LARK)],

@@ -14,6 +14,7 @@ XLA's path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import ClassVar
 
@@ -30,6 +31,10 @@ LANES = 128  # a head's width must be a multiple of it
 # kernels; a prefix is shared a page at a time.
 PAGE_SIZE = 64
 MAX_PAGES_PER_BLOCK = 8  # pages a kernel reads at a time: with 64-position pages, 512 positions a block
+# A prompt's attention runs the flash kernel from this many tokens: below, the kernel's layout ([heads, t] major, not
+# XLA's [t, heads]) costs its transposes more than it saves (`jaxllama compile`, 8B on v5e:2x4 by cycles: 8 x 512
+# 48.9 ms by XLA, 50.9 ms by the kernel; 1 x 1024 15.5 and 13.7 ms; 1 x 4095 63.5 and 51.8 ms).
+FLASH_MIN_TOKENS = 1024
 GPU_SPLITS = 16  # the GPU kernel splits each row's pages into this many parts, run in parallel, then joined
 
 
@@ -47,12 +52,6 @@ class PallasOps(Ops):
         of them moves more than a contiguous int8 cache (`jaxllama compile`: 8B on v5e:2x4, 64 x 4096, 127.5
         against 135.0 tok/s per sequence)."""
         return PAGE_SIZE if self.int8_cache or not int8_kv.is_int8(cache_dtype) else 0
-
-    def gated(self, x, p: dict, gate: str, up: str) -> jax.Array:
-        # Kept out of the product that reads it: fused into that product's input, silu is computed again for every
-        # tile of the product's output (`jaxllama compile`, 70B bf16 prefill 8 x 512 on v6e:2x4: 141.9 ms by the
-        # compiler's cycles; 124.8 ms with it apart, where it fuses into the up projection's output instead).
-        return jax.lax.optimization_barrier(super().gated(x, p, gate, up))
 
     def paged_attention(self, q, pool_k, pool_v, positions, table) -> jax.Array:
         mesh = jax.sharding.get_abstract_mesh()
@@ -85,6 +84,42 @@ class PallasOps(Ops):
 
 @dataclasses.dataclass(frozen=True)
 class TpuOps(PallasOps):
+    def prompt_attention(self, q, k, v) -> jax.Array | None:
+        """A fresh prompt's attention by jax's TPU flash-attention kernel (`pallas.ops.tpu.flash_attention`, causal):
+        blocks of queries against blocks of keys on the matrix unit, the softmax carried across blocks, where XLA
+        holds every row's [heads, t, t] scores and runs the softmax over them on the vector unit (a 70B prefill of
+        8 x 512 on v6e:2x4 spent ~13% of its cycles there). Each device runs its own query heads (`model` splits
+        them). For prompts shorter than FLASH_MIN_TOKENS, where the mesh has a `data` axis of more than one device,
+        heads the model axis does not split, heads not 128 wide or prompts not a multiple of 128 tokens, XLA's
+        attention runs."""
+        from jax.experimental.pallas.ops.tpu import flash_attention as flash
+
+        b, t, kv, g, hd = q.shape
+        mesh = jax.sharding.get_abstract_mesh()
+        sizes = {} if mesh.empty else dict(mesh.shape)
+        block = next((n for n in (512, 256, 128) if t % n == 0), None)
+        if (
+            t < FLASH_MIN_TOKENS
+            or block is None
+            or hd % LANES
+            or kv % sizes.get("model", 1)
+            or sizes.get("data", 1) > 1
+        ):
+            return None
+        heads = lambda x: x.transpose(0, 2, 1, 3)  # [b, t, heads, hd] <-> [b, heads, t, hd]
+        queries = heads(q.reshape(b, t, kv * g, hd))  # head kv_index * g + group
+        keys, values = (heads(jnp.repeat(x, g, axis=2)) for x in (k, v))
+        sizes = dict(block_q=block, block_k_major=block, block_k=block, block_b=1)
+        sizes |= dict(block_q_major_dkv=block, block_k_major_dkv=block, block_k_dkv=block, block_q_dkv=block)
+        sizes |= dict(block_k_major_dq=block, block_k_dq=block, block_q_dq=block)
+        attend = functools.partial(
+            flash.flash_attention, causal=True, sm_scale=1.0 / math.sqrt(hd), block_sizes=flash.BlockSizes(**sizes)
+        )
+        if not mesh.empty and "model" in mesh.axis_names and mesh.shape["model"] > 1:
+            split = PartitionSpec(None, "model")
+            attend = jax.shard_map(attend, mesh=mesh, in_specs=(split,) * 3, out_specs=split, check_vma=False)
+        return heads(attend(queries, keys, values)).reshape(q.shape).astype(q.dtype)
+
     def _kernel(self, q, pool_k, pool_v, lengths, pages) -> jax.Array:
         from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 

@@ -89,21 +89,28 @@ def rms_norm(p, x: jax.Array, eps: float) -> jax.Array:
     return (normed * p["scale"].astype(jnp.float32)).astype(x.dtype)
 
 
-def attention(p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None, ops: Ops = XLA, pages=None):
+def attention(
+    p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None, ops: Ops = XLA, pages=None, fresh=False
+):
     """x [b, t, dim], positions [b, t] and their `rope_angles`; cache_k and cache_v n rows of s positions, laid out
     as `ops.cache_layout` says -> (out, cache_k, cache_v).
 
     `rows` [b] (optional): the cache row of each x row (n may then exceed b; an index >= n writes nothing);
     by default row i of x is row i of the cache (n == b). `pages` [b, n] (optional): cache_k and cache_v are pools
-    of pages (`core/paged_kv.py`) and row i's sequence sits in the pages pages[i] names."""
+    of pages (`core/paged_kv.py`) and row i's sequence sits in the pages pages[i] names. `fresh`: every row is a
+    prompt from position 0 (positions[i] = 0..t-1), which a backend's kernel may attend over its own keys and values
+    (`Ops.prompt_attention`) where the cache stores them as they are."""
     q, k, v = ops.project(x, p, QKV)
     q, k = apply_rope(q, rope), apply_rope(k, rope)
     q = q.reshape(*q.shape[:2], c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim)  # [b, t, kv, g, hd]
+    as_stored = not isinstance(cache_k, int8_kv.Int8KV) and cache_k.dtype == k.dtype
+    out = ops.prompt_attention(q, k, v) if fresh and as_stored else None
 
     # Write this call's keys/values at their positions (rows past the cache's end are dropped).
     if pages is not None:
         cache_k, cache_v = paged_kv.write(cache_k, pages, positions, k), paged_kv.write(cache_v, pages, positions, v)
-        out = ops.paged_attention(q, cache_k, cache_v, positions, pages)
+        if out is None:
+            out = ops.paged_attention(q, cache_k, cache_v, positions, pages)
     else:
         at = (jnp.arange(x.shape[0]) if rows is None else rows)[:, None]
         if ops.cache_layout.transposed_keys:
@@ -111,7 +118,8 @@ def attention(p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None
         else:
             cache_k = int8_kv.write(cache_k, (at, slice(None), positions), k)
         cache_v = int8_kv.write(cache_v, (at, slice(None), positions), v)
-        out = ops.attention(q, cache_k, cache_v, positions, rows)
+        if out is None:
+            out = ops.attention(q, cache_k, cache_v, positions, rows)
     out = out.reshape(*out.shape[:2], c.n_heads, c.head_dim)  # [b, t, heads, head_dim]
     return ops.linear(out, p["wo"], in_dims=2), cache_k, cache_v
 
@@ -121,12 +129,13 @@ def mlp(p, x, ops: Ops = XLA):
     return ops.linear(ops.gated(x, p, *GATE_UP), p["w2"])
 
 
-@functools.partial(jax.jit, static_argnums=(1, 8))
-def block(p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None, ops: Ops = XLA, pages=None):
+@functools.partial(jax.jit, static_argnums=(1, 8, 10))
+def block(p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None, ops: Ops = XLA, pages=None, fresh=False):
     """One decoder layer. Jitted on its own so that tracing a model traces one layer, not n_layers of
     them (the outer jit inlines it: the compiled program is the same)."""
     normed = rms_norm(p["attention_norm"], x, c.norm_eps)
-    h, cache_k, cache_v = attention(p["attention"], c, normed, positions, rope, cache_k, cache_v, rows, ops, pages)
+    args = (cache_k, cache_v, rows, ops, pages, fresh)
+    h, cache_k, cache_v = attention(p["attention"], c, normed, positions, rope, *args)
     x = split_tokens(x + h)
     x = split_tokens(x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, c.norm_eps), ops))
     return x, cache_k, cache_v
@@ -165,15 +174,24 @@ def embed(params, tokens):
 
 
 def layers(
-    layer_params: list, c: ModelConfig, x, positions, cache: KVCache, rows=None, rope=None, ops: Ops = XLA, pages=None
+    layer_params: list,
+    c: ModelConfig,
+    x,
+    positions,
+    cache: KVCache,
+    rows=None,
+    rope=None,
+    ops: Ops = XLA,
+    pages=None,
+    fresh: bool = False,
 ):
     """Consecutive decoder layers (their params and caches in order): x -> (x, cache). The engine runs a
     model as a few of these programs in turn (see `engine/step.py`); `rope`: the positions' `rope_angles`, if
     computed already; `ops`: the backend's operations (their params prepared by `ops.prepare`); `pages`: the rows'
-    page table, where the cache is paged (`attention`)."""
+    page table, where the cache is paged; `fresh`: every row a prompt from its start (`attention`)."""
     new_cache, rope = [], rope_angles(positions, c) if rope is None else rope
     for p, (k, v) in zip(layer_params, cache, strict=True):
-        x, k, v = block(p, c, x, positions, rope, k, v, rows, ops, pages)
+        x, k, v = block(p, c, x, positions, rope, k, v, rows, ops, pages, fresh)
         new_cache.append((k, v))
     return x, new_cache
 

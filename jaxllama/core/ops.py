@@ -122,6 +122,12 @@ class Ops:
         accelerator's kernel reads only the pages a row has filled."""
         return self._blocked(q, paged_kv.gather(pool_k, table), paged_kv.gather(pool_v, table), positions)
 
+    def prompt_attention(self, q, k, v) -> jax.Array | None:
+        """A fresh prompt's attention by a kernel, or None where the backend has none (the model then attends over
+        the cache it wrote): q [b, t, kv, g, hd], k and v [b, t, kv, hd] the prompt's own keys and values as the
+        cache stores them, every row's tokens at positions 0..t-1, each query seeing the keys up to its own."""
+        return None
+
     def _blocked(self, q, keys, values, positions) -> jax.Array:
         """q [b, t, kv, g, hd] against its own row of keys and values [b, kv, s, hd], a block of queries at a time."""
         b, t = q.shape[:2]

@@ -80,6 +80,9 @@ class PhaseReport:
     ideal_s: float
     collectives: dict
     chip: Chip | None
+    # Time in Pallas kernels, which the compiler's cycles leave out, at its least: a prompt's attention kernel's flops
+    # at the chip's peak (added to the cycles' estimate).
+    kernel_s: float = 0.0
 
     def estimates(self) -> dict[str, float]:
         """Seconds per run by each estimate that could be made."""
@@ -87,7 +90,7 @@ class PhaseReport:
         if self.chip and self.hbm_bytes is not None:
             out["hbm_traffic"] = self.hbm_bytes / self.chip.hbm_bandwidth
         if self.chip and self.cycles:
-            out["cycles"] = self.cycles / self.chip.clock_hz
+            out["cycles"] = self.cycles / self.chip.clock_hz + self.kernel_s
         if "hbm_traffic" in out and "cycles" in out:
             # the compiler's cycles leave out what its DMA engines move (weights fetched ahead): the longer of the two
             out["estimate"] = max(out["hbm_traffic"], out["cycles"])
@@ -115,6 +118,7 @@ class EngineReport:
     compile_s: float
     kv_cache: str = "contiguous"  # or "paged, N-position pages"
     decode_attention: str = "XLA"  # or "Pallas kernel": a custom call, which the compiler's cycles leave out
+    prompt_kernel: list = dataclasses.field(default_factory=list)  # the prefills whose attention a kernel runs
 
     @property
     def fits(self) -> bool:
@@ -145,6 +149,7 @@ class EngineReport:
                 "flops": p.flops,
                 "hbm_bytes": p.hbm_bytes,
                 "collectives": p.collectives,
+                "kernel_s": p.kernel_s,
             }
             | {f"{k}_s": s for k, s in p.estimates().items()}
             for p in self.prefills
@@ -158,6 +163,7 @@ class EngineReport:
             "context": self.context,
             "kv_cache": self.kv_cache,
             "decode_attention": self.decode_attention,
+            "prompt_kernel": self.prompt_kernel,
             "fits": self.fits,
             "device_memory_bytes": self.device_memory,
             "compile_s": self.compile_s,
@@ -194,6 +200,14 @@ class EngineReport:
                 " (the compiler's cycles leave the kernel out; its HBM traffic counts its operands whole)"
                 if self.decode_attention != "XLA"
                 else ""
+            ),
+            *(
+                [
+                    f"prompt attention by a Pallas kernel in {', '.join(self.prompt_kernel)}: its flops at the chip's "
+                    "peak added to the cycles"
+                ]
+                if self.prompt_kernel
+                else []
             ),
             "",
             f"{'program':<16}{'phase':<14}{'calls':>5}{'args GiB':>10}{'temp GiB':>10}{'GFLOP':>10}"
@@ -334,7 +348,11 @@ def compile_engine(
             tokens = rows * length
             flops = tokens * config.flops_per_token(length // 2) / (data * model)
             ideal = max(flops / chip.bf16_flops, ideal_bytes / bandwidth) if chip else float("nan")
-            prefill_reports.append(_phase(name, tokens, calls, by_program, ideal, chip))
+            report = _phase(name, tokens, calls, by_program, ideal, chip)
+            if chip and any(_runs_a_kernel(c) for c in calls):  # the prompt's attention
+                attention = tokens * (config.flops_per_token(length // 2) - config.flops_per_token(0))
+                report.kernel_s = attention / (data * model) / chip.bf16_flops
+            prefill_reports.append(report)
     return EngineReport(
         target=target,
         devices=len(devices),
@@ -350,6 +368,7 @@ def compile_engine(
         compile_s=time.perf_counter() - started,
         kv_cache=f"paged, {runner.pages.page_size}-position pages" if runner.pages else "contiguous",
         decode_attention="Pallas kernel" if any(_runs_a_kernel(p) for p in phases["decode step"]) else "XLA",
+        prompt_kernel=[p.name for p in prefill_reports if p.kernel_s],
     )
 
 

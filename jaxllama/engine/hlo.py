@@ -25,6 +25,14 @@ _SLICES = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice", "scatter"}
 
 
+def _tuple_index(inst: Instruction) -> int:
+    """The element a get-tuple-element takes; ValueError for another instruction."""
+    m = re.search(r"\bindex=(\d+)", inst.attributes)
+    if inst.opcode != "get-tuple-element" or not m:
+        raise ValueError(inst.name)
+    return int(m.group(1))
+
+
 @dataclasses.dataclass(frozen=True)
 class Array:
     dtype: str
@@ -173,7 +181,7 @@ class Module:
     def _instruction_traffic(self, inst: Instruction) -> Traffic:
         op = inst.opcode
         if op == "while":
-            trips = inst.config_number("known_trip_count") or 1
+            trips = self._trips(inst)
             body = Traffic()
             for name in inst.called("body"):
                 body.add(self.traffic(name))
@@ -211,6 +219,50 @@ class Module:
         if kind in COLLECTIVES:
             out.collectives[kind] = {"count": 1, "bytes": sum(a.bytes for a in inst.arrays[:1])}
         return out
+
+    def _trips(self, loop: Instruction) -> int:
+        """A while loop's trip count: as the compiler gives it, or else read from the loop as XLA writes its counted
+        loops (jax's `lax.map` and `fori_loop`, the compiler's collective matmuls): the condition compares a counter,
+        an element of the loop's tuple, with a constant (`i < 4`); the counter starts from a constant and the body
+        adds a constant to it (`i + 2`). 1 where the loop is not of that form (counted once: an estimate too low,
+        never too high)."""
+        known = loop.config_number("known_trip_count")
+        if known:
+            return known
+        try:
+            compare, (counter, limit), how = self._op(self.computations[loop.called("condition")[0]][-1])
+            if compare != "compare" or "direction=LT" not in how:
+                return 1
+            index = _tuple_index(counter)
+            start = self._constant(self.by_name[self.by_name[loop.operands[0]].operands[index]])
+            body = self.computations[loop.called("body")[0]][-1]
+            add, (counted, step), _ = self._op(self.by_name[body.operands[index]])
+            if add != "add" or _tuple_index(counted) != index:
+                return 1
+            step_size, end = self._constant(step), self._constant(limit)
+        except (IndexError, KeyError, ValueError):
+            return 1
+        if None in (start, step_size, end) or step_size <= 0:
+            return 1
+        return max(1, -(-(end - start) // step_size))
+
+    def _op(self, inst: Instruction) -> tuple[str, list[Instruction], str]:
+        """(opcode, operands, attributes) of `inst`, or of the root of the fusion `inst` is, its parameters read as
+        the fusion's operands (a CPU program fuses a loop's compare and its counter's add)."""
+        if inst.opcode != "fusion":
+            return inst.opcode, [self.by_name[name] for name in inst.operands], inst.attributes
+        fused = self.computations[inst.called("calls")[0]]
+        params = {i.name: int(i.args) for i in fused if i.opcode == "parameter"}
+        root = fused[-1]
+        operands = [self.by_name[inst.operands[params[n]] if n in params else n] for n in root.operands]
+        return root.opcode, operands, root.attributes
+
+    def _constant(self, inst: Instruction) -> int | None:
+        """The integer a scalar constant holds, through copies and bitcasts of it; None for anything else."""
+        while inst.opcode in ("copy", "bitcast") and inst.operands:
+            inst = self.by_name[inst.operands[0]]
+        text = inst.args.strip()
+        return int(text) if inst.opcode == "constant" and text.lstrip("-").isdigit() else None
 
     def _destination(self, inst: Instruction) -> list[Array]:
         """The arrays an asynchronous start writes: its result tuple less the aliases of its operands (whose position

@@ -202,7 +202,7 @@ class ModelRunner:
             self.pages.assign([(r.slot, r.source, r.start, r.start + len(r.tokens)) for r in rows])
             slots = batch.arrays["slots"]
             table = self._put(self.pages.table(slots, self.pages.pages_for(batch.span)))
-            x = self._paged_layers("prefill_layers", x, positions, rope, table)
+            x = self._paged_layers("prefill_layers", x, positions, rope, table, batch.fresh)
         else:
             x = self._prefill_layers(x, positions, rope, inputs["sources"], inputs["slots"], batch.span, batch.fresh)
         prompt = self._prompt_logprobs(x, inputs["tokens"], rows) if batch.prompt_logprobs else None
@@ -303,14 +303,14 @@ class ModelRunner:
             x, self.cache[a:b] = self._call("decode_layers", fn, args, donate=4, out=out)
         return x
 
-    def _paged_layers(self, kind: str, x, positions, rope, table):
+    def _paged_layers(self, kind: str, x, positions, rope, table, fresh: bool = False):
         """Every layer of a prefill or decode step over a paged cache, one program call per run of layers: row i of
-        x reads and writes the pages of row i of `table`."""
-        fn = functools.partial(step.paged_layers, config=self.config, ops=self.ops)
+        x reads and writes the pages of row i of `table`; `fresh`: a prefill whose rows all start at position 0."""
+        fn = functools.partial(step.paged_layers, config=self.config, ops=self.ops, fresh=fresh)
         for (a, b), params in zip(self._runs, self._run_params, strict=True):
             out = (self._activations, [self._cache_sharding] * (b - a))
             args = (params, x, positions, rope, self.cache[a:b], table)
-            x, self.cache[a:b] = self._call(kind, fn, args, "paged", donate=4, out=out)
+            x, self.cache[a:b] = self._call(kind, fn, args, ("paged", fresh), donate=4, out=out)
         return x
 
     def _prefill_layers(self, x, positions, rope, sources, slots, span: int, fresh: bool):

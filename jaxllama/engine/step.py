@@ -98,11 +98,14 @@ def decode_layers(layer_params, x, positions, rope, cache: KVCache, slots=None, 
     return layers(layer_params, config, x, positions, cache, rows=slots, rope=rope, ops=ops)
 
 
-def paged_layers(layer_params, x, positions, rope, cache: KVCache, pages, *, config: ModelConfig, ops: Ops = XLA):
+def paged_layers(
+    layer_params, x, positions, rope, cache: KVCache, pages, *, config: ModelConfig, ops: Ops = XLA, fresh=False
+):
     """Some consecutive layers of a prefill or a decode step over a paged cache (`core/paged_kv.py`): row i of x
     reads and writes the pages pages[i] names. The pool never changes shape, so a prefill's programs are compiled per
-    rows x tokens x pages read, as a decode step's per rows x pages read."""
-    return layers(layer_params, config, x, positions, cache, rope=rope, ops=ops, pages=pages)
+    rows x tokens x pages read, as a decode step's per rows x pages read. `fresh`: a prefill whose every row starts
+    at position 0 (`model.attention`)."""
+    return layers(layer_params, config, x, positions, cache, rope=rope, ops=ops, pages=pages, fresh=fresh)
 
 
 def decode_outputs(
@@ -173,10 +176,11 @@ def prefill_layers(
     that these programs, the costliest to compile, are compiled per rows x tokens x span and not also per cache
     length. `cache_dtype`: the slots' cache's (default x's), which fresh rows' caches take, so that a prompt attends
     over the same rounded keys and values whether or not it starts from a stored prefix."""
-    if rows is None:
+    fresh = rows is None
+    if fresh:
         shapes = ops.cache_layout.shapes(config, x.shape[0], x.shape[1])
         rows = [tuple(int8_kv.zeros(shape, cache_dtype or x.dtype) for shape in shapes)] * len(layer_params)
-    return layers(layer_params, config, x, positions, rows, rope=rope, ops=ops)
+    return layers(layer_params, config, x, positions, rows, rope=rope, ops=ops, fresh=fresh)
 
 
 def prefill_last(x, lengths):

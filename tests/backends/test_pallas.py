@@ -16,7 +16,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxllama.backends.pallas import GpuOps, TpuOps
+from jaxllama.backends.pallas import FLASH_MIN_TOKENS, GpuOps, TpuOps
 from jaxllama.core import int8_kv
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import Ops
@@ -38,6 +38,7 @@ def _case(kv=2, g=4, hd=128, page_size=16, pages=12):
     return q, pool_k, pool_v, positions, table
 
 
+@pytest.mark.slow
 def test_the_pallas_kernel_gives_xlas_attention_over_the_same_pages():
     args = _case()
     want = Ops(float32_products=True).paged_attention(*args)
@@ -50,6 +51,64 @@ def test_the_pallas_kernel_gives_xlas_attention_over_the_same_pages():
     assert "pallas_call" not in str(jax.make_jaxpr(TpuOps().paged_attention)(*prompt))  # many queries: XLA's
 
 
+def _prompt(b=2, t=FLASH_MIN_TOKENS, kv=2, g=3, hd=128):
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(b, t, kv, g, hd)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, t, kv, hd)), jnp.float32) for _ in range(2))
+    return q, k, v
+
+
+def _causal(q, k, v):
+    """XLA's attention over the prompt's own keys and values, each row from position 0."""
+    positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+    return Ops(float32_products=True)._blocked(q, k.swapaxes(1, 2), v.swapaxes(1, 2), positions)
+
+
+def test_the_flash_kernel_gives_xlas_attention_over_a_fresh_prompt():
+    q, k, v = _prompt()
+    with pltpu.force_tpu_interpret_mode():
+        got = TpuOps().prompt_attention(q, k, v)
+    np.testing.assert_allclose(got, _causal(q, k, v), atol=1e-5)
+    assert "pallas_call" in str(jax.make_jaxpr(TpuOps().prompt_attention)(q, k, v))
+    # shorter prompts, prompts of no whole 128-token blocks and heads not 128 wide take XLA's attention
+    assert TpuOps().prompt_attention(*_prompt(t=FLASH_MIN_TOKENS // 2)) is None
+    assert TpuOps().prompt_attention(*_prompt(t=FLASH_MIN_TOKENS + 64)) is None
+    assert TpuOps().prompt_attention(*_prompt(hd=64)) is None
+    assert Ops().prompt_attention(q, k, v) is None  # the reference backend has no kernel
+
+
+def test_the_flash_kernel_split_over_the_model_axis_runs_each_devices_heads():
+    if len(jax.devices()) < 2:
+        pytest.skip("needs two CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
+    q, k, v = _prompt(b=1)
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+    heads = NamedSharding(mesh, PartitionSpec(None, None, "model"))
+    with jax.set_mesh(mesh), pltpu.force_tpu_interpret_mode():
+        got = jax.jit(TpuOps().prompt_attention)(*(jax.device_put(x, heads) for x in (q, k, v)))
+    np.testing.assert_allclose(got, _causal(q, k, v), atol=1e-5)
+
+
+def test_a_fresh_prompt_through_the_kernel_gives_the_models_logits():
+    """The model's layer with `fresh` set attends through the kernel over the keys and values it writes into the
+    cache, and gives what the same layer gives attending over that cache."""
+    from jaxllama.core import model
+    from jaxllama.core.params import init_params
+
+    config = ModelConfig(vocab_size=64, dim=512, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=2048)
+    params = init_params(config, jax.random.key(0), jnp.float32)
+    tokens = jax.random.randint(jax.random.key(1), (1, FLASH_MIN_TOKENS), 0, 64)
+    positions = jnp.arange(FLASH_MIN_TOKENS)[None]
+    cache = [tuple(jnp.zeros((1, 2, FLASH_MIN_TOKENS, 128), jnp.float32) for _ in range(2))]
+    x = model.embed(params, tokens)
+    layers = model.layer_params(params, config)
+    want, _ = model.layers(layers, config, x, positions, cache, ops=Ops(float32_products=True))
+    with pltpu.force_tpu_interpret_mode():
+        got, written = model.layers(layers, config, x, positions, cache, ops=TpuOps(), fresh=True)
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    assert float(jnp.abs(written[0][0]).sum()) > 0  # the keys are written all the same
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("int8", [False, True])
 def test_the_gpu_kernel_gives_xlas_attention_over_the_same_pages(int8):
     q, pool_k, pool_v, positions, table = _case(g=4)
@@ -63,6 +122,7 @@ def test_the_gpu_kernel_gives_xlas_attention_over_the_same_pages(int8):
     assert "pallas_call" in str(jax.make_jaxpr(GpuOps(interpret=True).paged_attention)(*args))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["tpu", "gpu"])
 def test_split_over_the_model_axis_each_device_attends_with_its_own_heads(kernel):
     if len(jax.devices()) < 2:
@@ -81,23 +141,26 @@ def test_split_over_the_model_axis_each_device_attends_with_its_own_heads(kernel
     np.testing.assert_allclose(got, want, atol=1e-2 if kernel == "tpu" else 2e-5)
 
 
+@pytest.mark.slow
 @needs_libtpu
 @pytest.mark.parametrize("dim, kernel", [(512, True), (128, False)])  # heads of 128 and of 32
-def test_a_decode_step_compiled_for_a_tpu_slice_runs_the_kernel_where_it_can(dim, kernel):
+def test_the_engine_compiled_for_a_tpu_slice_runs_the_kernels_where_they_can(dim, kernel):
     from jaxllama.engine import aot
 
     config = ModelConfig(
-        vocab_size=512, dim=dim, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, max_seq_len=512, dtype="bfloat16"
+        vocab_size=512, dim=dim, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, max_seq_len=2048, dtype="bfloat16"
     )
     devices = aot.target_devices("v5e:2x2")[0]
+    prefills = [(2, 100), (1, FLASH_MIN_TOKENS)]  # a prompt's attention: XLA's, then the flash kernel's
     report = aot.compile_engine(
-        config, devices, target="v5e:2x2", mesh="data=1,model=4", max_slots=8, max_context=512, prefills=[(2, 100)]
+        config, devices, target="v5e:2x2", mesh="data=1,model=4", max_slots=8, max_context=2048, prefills=prefills
     )
     assert report.fits and report.footprint.growth == 0  # a paged cache: allocated once, never grown
     assert "cache growth" not in {p.phase for p in report.programs}
     decode = next(p for p in report.programs if p.kind == "decode_layers")
     assert ("tpu_custom_call" in decode.hlo_text) == kernel
     assert report.decode_attention == ("Pallas kernel" if kernel else "XLA")
+    assert report.prompt_kernel == ([f"prefill 1x{FLASH_MIN_TOKENS}"] if kernel else [])
     assert report.kv_cache == "paged, 64-position pages" and "KV cache: paged" in report.table()
 
 

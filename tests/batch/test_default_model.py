@@ -19,6 +19,7 @@ def test_missing_package_names_the_install_command(monkeypatch):
         default_model.default_gguf()
 
 
+@pytest.mark.slow
 def test_run_without_model_loads_the_default_model_from_the_cache_and_answers(tmp_path, smollm2_checkpoint):
     job = tmp_path / "job.jsonl"
     job.write_text(
@@ -56,6 +57,7 @@ def test_run_without_model_loads_the_default_model_from_the_cache_and_answers(tm
     assert f"loading {default} " in proc.stderr and "converting" not in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_gguf_model_is_converted_once_into_the_cache_and_again_when_it_changes(tmp_path, monkeypatch):
     from tests.factories import write_chat_gguf
 

@@ -1,4 +1,5 @@
-"""`jaxllama run` as a subprocess on a tiny converted chat model: input shapes, order, errors, resume."""
+"""`jaxllama run` as a subprocess on a tiny converted chat model: input shapes, order, errors, resume. A command it
+refuses before the model loads runs in this process (`jaxllama_here`): nothing there needs a process of its own."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from jaxllama.batch import records
-from tests.helpers.cli import jaxllama
+from tests.helpers.cli import jaxllama, jaxllama_here
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,6 +66,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 def test_every_shape_in_order_with_error_records(tiny_chat, tmp_path):
     job = write_job(
         tmp_path / "job.jsonl",
@@ -107,6 +109,7 @@ def test_every_shape_in_order_with_error_records(tiny_chat, tmp_path):
     assert "requests: 5 ok, 6 failed" in proc.stderr
 
 
+@pytest.mark.slow
 def test_stop_strings_and_per_line_parameters(tiny_chat, tmp_path):
     base = write_job(tmp_path / "base.jsonl", [{"id": "x", "prompt": "the cat", "max_tokens": 12, "temperature": 0}])
     assert jaxllama("run", base, "--model", tiny_chat).returncode == 0
@@ -157,6 +160,7 @@ def without_timings(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "timings"} for r in records]
 
 
+@pytest.mark.slow
 def test_resume_after_ctrl_c_or_kill_loses_and_duplicates_nothing(tiny_chat, tmp_path):
     # max_tokens growing along the job: longest first runs the last lines first, so that finished lines wait in
     # the journal, not yet in the output
@@ -194,6 +198,7 @@ def test_resume_after_ctrl_c_or_kill_loses_and_duplicates_nothing(tiny_chat, tmp
     assert without_timings(read(out)) == without_timings(resumed)
 
 
+@pytest.mark.slow
 def test_failed_lines_run_again_on_resume_and_settings_must_match(tiny_chat, tmp_path):
     bad = {"id": "b", "prompt": "the dog", "max_tokens": 4, "temperature": 0, "top_p": 1.5}
     lines = [GOOD[1], bad, {"id": "c", "prompt": "in the", "max_tokens": 3, "temperature": 0}]
@@ -214,11 +219,12 @@ def test_failed_lines_run_again_on_resume_and_settings_must_match(tiny_chat, tmp
     assert "text" in again[1] and again[1]["usage"]["completion_tokens"] <= 4
 
     for other in (["--model", tiny_chat, "--system-prompt", "be brief"], ["--model", tmp_path / "other"]):
-        proc = jaxllama("run", job, *other)  # refused before the model loads (the other one does not exist)
+        proc = jaxllama_here("run", job, *other)  # refused before the model loads (the other one does not exist)
         assert proc.returncode == 2 and "written with other settings" in proc.stderr and read(out) == again
     assert jaxllama("run", job, "--model", tiny_chat, "--system-prompt", "be brief", "--overwrite").returncode == 0
 
 
+@pytest.mark.slow
 def test_the_worst_lines_cost_only_themselves(tiny_chat, tmp_path):
     plain = {"prompt": "the cat", "max_tokens": 2, "temperature": 0}
     raw = [
@@ -244,13 +250,14 @@ def test_the_worst_lines_cost_only_themselves(tiny_chat, tmp_path):
 
 
 def test_unreadable_job_or_model_fails_at_once(tiny_chat, tmp_path):
-    proc = jaxllama("run", tmp_path / "missing.jsonl", "--model", tiny_chat)
+    proc = jaxllama_here("run", tmp_path / "missing.jsonl", "--model", tiny_chat)
     assert proc.returncode == 2 and proc.stderr.strip().endswith("missing.jsonl: no such job file")
     job = write_job(tmp_path / "job.jsonl", [GOOD[1]])
-    proc = jaxllama("run", job, "--model", tmp_path / "nothing")
+    proc = jaxllama_here("run", job, "--model", tmp_path / "nothing")
     assert proc.returncode == 2 and "no such file or directory" in proc.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_quantized_weights_and_a_float16_cache(tiny_chat, tmp_path):
     job = write_job(tmp_path / "job.jsonl", GOOD[:2])
     options = ("--quantize", "w8a8", "--kv-cache-dtype", "float16")
@@ -259,9 +266,9 @@ def test_quantized_weights_and_a_float16_cache(tiny_chat, tmp_path):
     assert [r["id"] for r in read(tmp_path / "job.out.jsonl")] == ["chat", "plain"]
     proc = jaxllama("run", job, "--model", tiny_chat, "--quantize", "q8_0", "--overwrite", env={"XLA_FLAGS": ""})
     assert proc.returncode == 0, proc.stderr
-    proc = jaxllama("run", job, "--model", tiny_chat, "--quantize", "q5_1", "--overwrite")
+    proc = jaxllama_here("run", job, "--model", tiny_chat, "--quantize", "q5_1", "--overwrite")
     assert proc.returncode == 2 and "quantize='q5_1': expected one of int8, q8_0, w8a8, q4_0" in proc.stderr
-    proc = jaxllama("run", job, "--model", tiny_chat, "--kv-cache-dtype", "float8", "--overwrite")
+    proc = jaxllama_here("run", job, "--model", tiny_chat, "--kv-cache-dtype", "float8", "--overwrite")
     assert proc.returncode == 2 and "kv_cache_dtype='float8': expected auto or one of float32" in proc.stderr
 
 
@@ -276,15 +283,17 @@ def test_help_is_readable():
     assert "Run a JSONL job" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_a_second_run_on_the_same_output_is_refused_at_once(tiny_chat, tmp_path):
     """One writer per output: while a run holds it (here this process, as a run would), another is refused before its
-    model loads, naming the holder; once the holder is gone the output is free again."""
+    model loads, naming the holder (in this process too: the second run's lock is another open file's); once the
+    holder is gone the output is free again."""
     from jaxllama.batch.lock import OutputLock
 
     job = write_job(tmp_path / "job.jsonl", GOOD[:2])
     out = tmp_path / "job.out.jsonl"
     with OutputLock(out):
-        proc = jaxllama("run", job, "--model", tiny_chat)
+        proc = jaxllama_here("run", job, "--model", tiny_chat)
         assert proc.returncode == 2 and f"another run (pid {os.getpid()}) is writing {out}" in proc.stderr
         assert "loading" not in proc.stderr and not out.exists()
     proc = jaxllama("run", job, "--model", tiny_chat)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.multiprocess import LOCAL_DEVICES, REPO, free_port, process_env, run_processes
 
 PROCESSES = 2
@@ -36,6 +38,7 @@ def without_timings(path: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k != "timings"} for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_two_processes_write_what_one_process_writes(tiny_chat_checkpoint, tmp_path):
     job = tmp_path / "job.jsonl"
     job.write_text("".join(json.dumps(line) + "\n" for line in JOB))

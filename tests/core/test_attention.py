@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxllama.core import ops
 from jaxllama.core.ops import XLA
 
 
+@pytest.mark.slow
 def test_a_long_prompt_attends_a_block_of_queries_at_a_time_with_the_same_result():
     rng = np.random.default_rng(0)
     b, t, kv, g, hd = 2, 3 * ops.QUERY_BLOCK, 2, 2, 16

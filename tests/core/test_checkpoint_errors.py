@@ -277,6 +277,7 @@ def as_dead(folder: Path) -> None:
         left.rename(left.with_name(left.name.replace(f"-{os.getpid()}-", f"-{dead.pid}-")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("one_step", [True, False], ids=["swap", "two-renames"])
 def test_overwrite_killed_at_each_step_leaves_out_whole(old_and_new, tmp_path, monkeypatch, one_step):
     """The steps of replacing OUT are the renames, swaps and removals of the folders beside it; the writer is killed

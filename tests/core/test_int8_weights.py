@@ -35,6 +35,7 @@ def test_a_product_on_int8_weights_is_the_product_on_their_dequantized_values():
     np.testing.assert_allclose(np.asarray(INT8.linear(x, w)), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["data=1,model=1", "data=1,model=2"])
 def test_a_model_loaded_with_int8_weights_stays_close_to_its_float_weights(tiny_chat_checkpoint, mesh):
     shape = {"max_slots": 4, "max_context": 64, "compilation_cache": False, "mesh": mesh}
@@ -58,6 +59,7 @@ def test_q8_0_blocks_are_requantized_per_channel(tiny_chat_checkpoint):
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu: pip install -e '.[tpu]'")
 def test_int8_weights_halve_what_a_tpu_decode_step_reads():
     from jaxllama.core.config import ModelConfig

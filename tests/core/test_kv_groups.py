@@ -23,6 +23,7 @@ def test_how_many_repeats_a_model_axis_asks_for():
     assert kv_groups.repeated_config(CONFIG, 4).n_kv_heads == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("r", [2, 4])
 def test_repeated_heads_give_the_same_logits(r):
     params = init_params(CONFIG, jax.random.key(0))
@@ -34,6 +35,7 @@ def test_repeated_heads_give_the_same_logits(r):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_load_onto_more_model_devices_than_kv_heads_splits_the_heads(tiny_chat_checkpoint):
     one = LLM.load(tiny_chat_checkpoint, mesh="data=1,model=1", max_slots=4, max_context=64, compilation_cache=False)
     kv = one.config.n_kv_heads

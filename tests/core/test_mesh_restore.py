@@ -35,6 +35,7 @@ def _mesh(config, spec):
     return make_mesh(config, spec, devices=jax.devices()[: sizes["data"] * sizes["model"]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "spec",
     [

@@ -3,6 +3,7 @@ as converted by default (its Q4_1 weights requantized to Q8_0 blocks), they stay
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 
 from jaxllama.core.checkpoint import load_checkpoint
@@ -28,6 +29,7 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+@pytest.mark.slow
 def test_logits_match_transformers(smollm2_float32_checkpoint, transformers_smollm2):
     config, params = load_checkpoint(smollm2_float32_checkpoint)
     assert (config.n_layers, config.dim, config.n_heads, config.n_kv_heads, config.tie_embeddings) == (
@@ -46,6 +48,7 @@ def test_logits_match_transformers(smollm2_float32_checkpoint, transformers_smol
         assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
+@pytest.mark.slow
 def test_the_default_conversion_stays_close_to_transformers(smollm2_checkpoint, transformers_smollm2):
     """Q4_1 -> Q8_0 moves each weight by ~0.6% of its norm: the next-token distributions stay within a KL divergence
     of 0.05 nats of the file's own (requantizing to Q4_0 instead would add as much error again as Q4_1 has)."""
@@ -61,6 +64,7 @@ def test_the_default_conversion_stays_close_to_transformers(smollm2_checkpoint, 
         assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.85
 
 
+@pytest.mark.slow
 def test_greedy_tokens_through_the_paged_cache_are_the_cpu_kernels(smollm2_float32_checkpoint):
     """The real model through XLA's paged cache (`core/paged_kv.py`, pages of 16) gives the greedy tokens the CPU
     kernels' contiguous cache gives, each prompt alone and the three together, the third reusing the pages of a

@@ -93,6 +93,7 @@ def test_bfloat16_runs_in_bfloat16_close_to_transformers(tmp_path):
     assert np.abs(ours - exact).max() < 2 * np.abs(ref - exact).max() + 1e-3 * scale
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("format,spec", [("q8_0", "data=2,model=4"), ("q4_0", "data=1,model=2")])
 def test_quantized_checkpoints_shard_and_match_their_dequantized_weights(hf_folder, tmp_path, format, spec):
     ckpt = convert(hf_folder, tmp_path / "ckpt", quantize=format, progress=False)
@@ -113,6 +114,7 @@ def test_quantized_checkpoints_shard_and_match_their_dequantized_weights(hf_fold
         np.testing.assert_allclose(np.asarray(logits(sharded, config, TOKENS)), ours, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_llm_on_xla_holds_the_blocks_it_restored(tiny_chat_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXLLAMA_CPU_KERNELS", "0")
     ckpt = convert(tiny_chat_checkpoint.parent / "m.gguf", tmp_path / "ckpt", quantize="q8_0", progress=False)

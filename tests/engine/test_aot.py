@@ -45,6 +45,7 @@ def v5e_2x2():
     return aot.target_devices("v5e:2x2")[0]
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_a_tiny_model_compiles_for_a_tpu_slice_and_is_measured(v5e_2x2):
     report = aot.compile_engine(TINY, v5e_2x2, target="v5e:2x2", max_slots=8, max_context=512, prefills=[(2, 100)])
@@ -75,6 +76,7 @@ def test_what_cannot_fit_is_refused_with_both_figures_before_compiling(v5e_2x2):
         aot.compile_engine(known_shape("llama-3.1-70b"), v5e_2x2, target="v5e:2x2", max_context=2048)
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_the_plan_counts_the_cache_and_its_growth_and_picks_a_mesh_that_fits():
     devices = aot.target_devices("v5e:4x4")[0]
@@ -102,6 +104,7 @@ def test_the_plan_counts_the_cache_and_its_growth_and_picks_a_mesh_that_fits():
     assert longest.fits and 256 <= longest.context < 8192
 
 
+@pytest.mark.slow
 def test_the_engine_compiles_for_this_hosts_devices_without_running_anything():
     devices = jax.devices()[:4]
     report = aot.compile_engine(TINY, devices, target="cpu", mesh="data=2,model=2", max_slots=4, max_context=256)
@@ -109,6 +112,7 @@ def test_the_engine_compiles_for_this_hosts_devices_without_running_anything():
     assert report.decode.hbm_bytes > 0 and any(p.kind == "prefill_layers" for p in report.programs)
 
 
+@pytest.mark.slow
 def test_the_compile_command_reports_a_checkpoint_as_json(tiny_chat_checkpoint, capsys, tmp_path):
     main(["compile", "--model", str(tiny_chat_checkpoint), "--mesh", "data=1,model=2", "--max-batch", "4"]
          + ["--max-context", "128", "--prefill", "2x16", "--json", "--hlo-dir", str(tmp_path)])  # fmt: skip
@@ -136,6 +140,7 @@ def test_compile_for_refuses_a_weight_form_it_cannot_store():
         LLM.compile_for("smollm2-135m", quantize="w8a8")
 
 
+@pytest.mark.slow
 @needs_libtpu
 def test_a_tpu_decode_step_reads_the_cache_in_place(v5e_2x2):
     """XLA's cache layout (positions-major keys) and attention (batched products on the matrix unit) let the compiled

@@ -22,6 +22,7 @@ def expected(tiny):
     return {r.id: reference_greedy(config, params, r.prompt, r.params.max_tokens) for r in greedy_requests()}
 
 
+@pytest.mark.slow
 def test_greedy_matches_full_forward_with_refilled_slots(tiny, expected):
     config, params = tiny
     mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
@@ -56,6 +57,7 @@ def test_higher_priority_requests_get_slots_first(tiny, expected):
     assert tokens == {i: expected[i] for i in range(5)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, steps, layers", [("data=1,model=1", 1, 5), ("data=2,model=2", 3, 1)])
 def test_few_active_slots_decode_alone(tiny, expected, spec, steps, layers):
     """10 requests in 32 slots: decode steps run only the active slots (16, then 8 rows, or one when one is
@@ -81,6 +83,7 @@ def test_few_active_slots_decode_alone(tiny, expected, spec, steps, layers):
 # Each mesh compiles its own programs. A model axis of 2 splits the 2 KV heads; one of 4 replicates them and splits
 # the query heads, here with a data axis and several decode steps a call; data=2,model=2 runs in
 # test_few_active_slots_decode_alone, across processes in test_multihost.
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, steps", [("data=1,model=2", 1), ("data=2,model=4", 3)])
 def test_same_tokens_on_every_mesh(tiny, expected, spec, steps):
     """2 KV heads on a model axis of 4: KV heads replicated, query heads split."""
@@ -96,6 +99,7 @@ def test_same_tokens_on_every_mesh(tiny, expected, spec, steps):
     assert tokens == {r.id: expected[r.id] for r in requests}
 
 
+@pytest.mark.slow
 def test_context_limit_ends_with_length(tiny):
     config, params = tiny
     mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
@@ -134,6 +138,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 def test_bad_requests_are_refused_alone(tiny, expected):
     config, params = tiny
     mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
@@ -172,6 +177,7 @@ def test_cancel_frees_the_slot(tiny, expected):
     assert {r.id: tokens[r.id] for r in rest} == {r.id: expected[r.id] for r in rest}
 
 
+@pytest.mark.slow
 def test_donated_weights_are_replaced_by_the_prepared_ones(tiny, expected):
     """With `donate_params`, the engine keeps one copy of the model: the weights its backend prepared (on the CPU
     kernels, packed: the products' float32 arrays are freed), and `engine.params` runs the plain forward pass with
@@ -193,6 +199,7 @@ def test_donated_weights_are_replaced_by_the_prepared_ones(tiny, expected):
         np.testing.assert_allclose(prepared, forward(params, config, tokens), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_ignore_eos_and_min_tokens(tiny):
     """ignore_eos: the model's end-of-generation id does not end a request; min_tokens: no stop id is sampled before
     that many tokens. Each request's tokens are the same alone and in a batch with the others."""

@@ -3,6 +3,8 @@ programs whose bytes are known: compiled by XLA for this host's CPU devices, so 
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,3 +67,21 @@ def test_a_loop_body_counts_once_per_trip():
     once = hlo.program_traffic(_compiled_text(lambda x: jnp.sin(x) @ jnp.ones((1024, 1024)) / 1024, x))
     traffic = hlo.program_traffic(_compiled_text(looped, x))
     assert traffic.hbm_bytes >= 5 * once.hbm_bytes
+
+
+def test_a_loop_the_compiler_gives_no_trip_count_is_counted_from_its_condition():
+    """TPU programs' loops (a long prompt's blocks of queries, the compiler's collective matmuls) come without a
+    known trip count: it is read from the loop itself (a counter from a constant, by a constant step, below a
+    constant)."""
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32)
+
+    def looped(x):
+        step = lambda c: (c[0] + 2, jnp.sin(c[1]) @ jnp.ones((1024, 1024), jnp.float32) / 1024)
+        return jax.lax.while_loop(lambda c: c[0] < 10, step, (0, x))[1]  # 5 trips
+
+    once = hlo.program_traffic(_compiled_text(lambda x: jnp.sin(x) @ jnp.ones((1024, 1024)) / 1024, x))
+    text = re.sub(r'"known_trip_count":\{"n":"\d+"\},?', "", _compiled_text(looped, x))
+    loop = next(i for i in hlo.Module(text).computations[hlo.Module(text).entry] if i.opcode == "while")
+    assert loop.config_number("known_trip_count") == 0  # as a TPU program's loops come
+    traffic = hlo.program_traffic(text)
+    assert 4 * once.hbm_bytes <= traffic.hbm_bytes <= 6 * once.hbm_bytes

@@ -33,6 +33,7 @@ def test_each_vector_is_kept_within_half_a_step_of_its_scale():
     assert float(scales[0, 0, 0]) == 0.0 and not values[0, 0, 0].any()
 
 
+@pytest.mark.slow
 def test_logits_through_an_int8_cache_stay_near_a_float_caches(tiny):
     config, params = tiny
     tokens = jnp.asarray(random_prompts(4, seed=1, max_len=40)[0][:24])[None]
@@ -46,6 +47,7 @@ def test_logits_through_an_int8_cache_stay_near_a_float_caches(tiny):
     assert (jnp.argmax(rounded, -1) == jnp.argmax(exact, -1)).mean() > 0.9
 
 
+@pytest.mark.slow
 def test_the_engine_decodes_through_an_int8_cache_batch_invariant(tiny):
     """Greedy tokens through the int8 cache match the full-sequence forward's (a float computation: the model's
     logits are far apart), and a request's tokens do not depend on what shares its steps (its log-probabilities to
@@ -65,6 +67,7 @@ def test_the_engine_decodes_through_an_int8_cache_batch_invariant(tiny):
     np.testing.assert_allclose(together, one, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_stored_prefix_gives_the_numbers_computed_afresh(tiny):
     rng = np.random.default_rng(6)
     first = rng.integers(3, 131, 30).tolist()

@@ -53,6 +53,7 @@ def prompt_logprobs(engine, prompts, top=5, max_tokens=0):
     return [out[i] for i in range(len(prompts))], requests
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_equal_the_forward_pass(engine, tiny):
     config, params = tiny
     prompts = scoring_prompts()
@@ -94,6 +95,7 @@ def test_max_tokens_zero_ends_after_the_prompt(engine):
     assert all(len(finals[r.id].prompt_logprobs or []) in (0, len(r.prompt) - 1) for r in requests)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_top_logprobs_are_the_sampling_distributions_top(engine, tiny, temperature):
     config, params = tiny

@@ -38,6 +38,7 @@ def per_process(params, tmp_path_factory) -> list[dict]:
     return [json.loads((folder / f"process{i}.json").read_text()) for i in range(PROCESSES)]
 
 
+@pytest.mark.slow
 def test_every_process_sees_the_same_tokens(per_process):
     first = per_process[0]
     assert first["process_count"] == PROCESSES and first["local_devices"] == 2
@@ -45,6 +46,7 @@ def test_every_process_sees_the_same_tokens(per_process):
         assert other["cases"] == first["cases"]  # the unseeded request too: its seed is agreed on
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_same_tokens_as_one_process(per_process, params, name):
     config = case_config(name)

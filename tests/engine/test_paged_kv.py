@@ -25,6 +25,7 @@ def _pool(config, pages, page_size, dtype=jnp.float32):
     return [(int8_kv.zeros(shape, dtype), int8_kv.zeros(shape, dtype)) for _ in range(config.n_layers)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_pages_anywhere_in_the_pool_give_a_contiguous_caches_logits(tiny, dtype):
     config, params = tiny
@@ -50,6 +51,7 @@ def test_pages_anywhere_in_the_pool_give_a_contiguous_caches_logits(tiny, dtype)
     assert not np.asarray(k[:, untouched]).any()
 
 
+@pytest.mark.slow
 def test_a_row_reads_a_prefix_from_anothers_pages(tiny):
     """Row 1 shares row 0's first two pages (8 tokens) and computes only its own rest into its own pages."""
     config, params = tiny
@@ -101,6 +103,7 @@ def _paged(tiny, page_size=8, **kw):
     return Engine(config, params, mesh, eos_ids=[EOS], cpu_kernels=False, page_size=page_size, **kw)
 
 
+@pytest.mark.slow
 def test_the_engine_over_pages_decodes_as_the_full_forward_with_refilled_slots(tiny, expected):
     engine = _paged(tiny, max_slots=4, layers_per_program=2)
     assert engine.runner.pages is not None and engine.runner.cache[0][0].shape[1] == 4 * 128 // 8
@@ -111,6 +114,7 @@ def test_the_engine_over_pages_decodes_as_the_full_forward_with_refilled_slots(t
     assert engine.runner.pages.free == engine.runner.pages.pages - len(held)
 
 
+@pytest.mark.slow
 def test_pools_split_over_the_model_axis_decode_as_the_full_forward(tiny, expected):
     """Two devices along `model`: each holds its KV heads' pages (the pool sharded on its heads' axis)."""
     config, params = tiny
@@ -123,6 +127,7 @@ def test_pools_split_over_the_model_axis_decode_as_the_full_forward(tiny, expect
     assert agree >= len(expected) - 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [None, "int8"])
 def test_a_prefix_is_read_from_the_pages_that_hold_it(tiny, dtype):
     rng = np.random.default_rng(6)
@@ -146,6 +151,7 @@ def test_a_prefix_is_read_from_the_pages_that_hold_it(tiny, dtype):
     np.testing.assert_allclose([lp for u in updates if u.id == "b" for lp in u.logprobs], fresh, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_samples_of_one_prompt_share_its_pages(tiny):
     """Requests with one prompt admitted together (a request's n samples): its prefix is computed once, into pages
     that every sample's slot then holds."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
@@ -54,6 +55,7 @@ def test_prompts_admitted_together_share_their_prefix(tiny):
     assert engine.stats.prefill_tokens == len(system) + sum(len(p) - len(system) for p in prompts)
 
 
+@pytest.mark.slow
 def test_a_later_turn_reuses_the_earlier_one_across_meshes(tiny):
     """The second turn's prompt is the first prompt, its answer, and more: all but the new part is reused,
     on a mesh whose model axis splits the KV heads and data axis splits the slots."""
@@ -75,6 +77,7 @@ def test_a_later_turn_reuses_the_earlier_one_across_meshes(tiny):
         assert finals["c"].cached_tokens == 0
 
 
+@pytest.mark.slow
 def test_reuse_keeps_penalties_and_seeds_exact(tiny):
     """A prefix taken from the cache still counts as seen for the repetition penalty, and a seeded sample
     does not depend on whether the prefix was reused."""
@@ -98,6 +101,7 @@ def test_reuse_keeps_penalties_and_seeds_exact(tiny):
     assert alone == fresh
 
 
+@pytest.mark.slow
 def test_a_float16_cache_gives_the_same_numbers_from_a_stored_prefix_as_computed_afresh(tiny):
     """With the cache in 16 bits, a prompt computed from its start attends over the same rounded keys and values
     as one that starts from a slot's stored prefix: the same log-probabilities, to the bit, either way."""

@@ -46,6 +46,7 @@ def mapped_ranges(path: Path) -> list[tuple[int, int]]:
     return ranges
 
 
+@pytest.mark.slow
 def test_a_second_load_maps_the_prepared_weights(cache, checkpoint):
     first = LLM.load(checkpoint, mesh=ONE_DEVICE)
     want = first.logits(TOKENS)
@@ -72,6 +73,7 @@ def test_bfloat16_weights_are_kept_and_mapped(cache, checkpoint):
     assert len(entries(cache)) == 1
 
 
+@pytest.mark.slow
 def test_each_quantization_is_its_own_entry_and_the_last_used_are_kept(cache, checkpoint, monkeypatch):
     monkeypatch.setattr(prepared, "KEEP", 2)
     for quantize in (None, "q8_0", "q4_0"):

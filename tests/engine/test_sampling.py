@@ -62,6 +62,7 @@ def engine_factory(tiny):
     return lambda slots=4: Engine(config, params, mesh, eos_ids=[], max_slots=slots)
 
 
+@pytest.mark.slow
 def test_top_k_1_equals_greedy(engine_factory):
     prompts = random_prompts(4, seed=3)
     greedy = run(
@@ -74,6 +75,7 @@ def test_top_k_1_equals_greedy(engine_factory):
     assert top1 == greedy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "params",
     [
@@ -97,6 +99,7 @@ def test_seeded_sampling_is_reproducible_across_batches(engine_factory, params):
     assert different_seed["t"] != alone  # 16 tokens from a spread distribution: a collision is implausible
 
 
+@pytest.mark.slow
 def test_sampling_follows_the_distribution(tiny):
     """Temperature sampling of one step over many seeds matches softmax(logits / T) (chi-square-ish bound)."""
     from jaxllama.core.model import sequence_logits

@@ -25,6 +25,7 @@ def _stream(client, i: int) -> str:
     return "".join(c.choices[0].delta.content or "" for c in chunks)
 
 
+@pytest.mark.slow
 def test_16_concurrent_streams_give_the_sequential_answers(live):
     """16 clients at once on 8 slots: continuous batching runs 8 together and admits each waiting one as a slot
     frees; every answer is the one the same request gets alone."""

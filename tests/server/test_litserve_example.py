@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from tests.helpers.server import PROMPT, server_process
 from tests.multiprocess import free_port
 
 
+@pytest.mark.slow
 def test_litserve_example_answers(tiny_chat_checkpoint, reference):
     port = free_port()
     args = ["examples/litserve_server.py", "--model", str(tiny_chat_checkpoint), "--port", str(port)]

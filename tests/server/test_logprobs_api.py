@@ -20,6 +20,7 @@ def log_softmax(llm, tokens) -> np.ndarray:
     return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
 
 
+@pytest.mark.slow
 def test_echo_of_token_id_prompts_in_the_legacy_shape(live):
     llm = live.llm
     prompts = [llm.encode(PROMPT), llm.encode("the dog sat")]

@@ -136,6 +136,7 @@ def test_n_choices_whole_and_streamed(live):
     assert texts == [c.message.content for c in whole.choices] and finished == {0, 1, 2}
 
 
+@pytest.mark.slow
 def test_guided_regex_and_logit_bias(live):
     """A regular expression that the tiny model's answer must match, ended by the grammar; a token that logit_bias
     raises by 100 comes every time."""

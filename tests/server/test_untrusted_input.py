@@ -13,20 +13,21 @@ import httpx
 import pytest
 
 from jaxllama.protocol.responses import LOGPROB_FLOOR
+from jaxllama.text.prompts import PromptEncoder
 from tests.helpers.server import CHAT, PROMPT
 
 
 def test_request_preparation_runs_off_the_event_loop(live, monkeypatch):
     """While one request is being prepared (held here until /health has answered), the server answers others."""
     entered, release = threading.Event(), threading.Event()
-    encode_chat = live.llm.encode_chat
+    encode_chat = PromptEncoder.encode_chat
 
-    def slow_encode_chat(messages, **kwargs):
+    def slow_encode_chat(self, messages, **kwargs):
         entered.set()
         release.wait(60)
-        return encode_chat(messages, **kwargs)
+        return encode_chat(self, messages, **kwargs)
 
-    monkeypatch.setattr(live.llm, "encode_chat", slow_encode_chat)
+    monkeypatch.setattr(PromptEncoder, "encode_chat", slow_encode_chat)  # what the server's request pipeline runs
     body = {"messages": CHAT, "max_tokens": 2, "temperature": 0}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(httpx.post, f"{live.url}/v1/chat/completions", json=body, timeout=120)

@@ -156,6 +156,7 @@ def render_both(
 # --- rendering: the same text as transformers -------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 @pytest.mark.parametrize(
@@ -252,6 +253,7 @@ def test_template_errors_are_chat_template_errors() -> None:
 # --- encoding: the same ids as the references ------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 def test_smollm2_ids_match_transformers(

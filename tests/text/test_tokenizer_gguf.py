@@ -91,6 +91,7 @@ def converted_folder(files, tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
 def test_ids_equal_transformers(tokenizer, reference, text):
     ids = reference.encode(text, add_special_tokens=False)

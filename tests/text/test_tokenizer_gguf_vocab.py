@@ -164,6 +164,7 @@ def test_raw_token_whose_spelling_merges_produce(tmp_path):
     assert tokenizer.decode([double_space]) == "  "
 
 
+@pytest.mark.slow
 def test_unknown_pre_tokenizer(tmp_path):
     path = write_gguf(tmp_path / "vocab.gguf", pre="qwen2")
     with pytest.raises(ValueError, match="tokenizer.ggml.pre 'qwen2' is not supported"):

@@ -29,6 +29,7 @@ def tokenizer(request, tmp_path_factory) -> Tokenizer:
     return load_tokenizer(train_sentencepiece(folder, model_type="bpe"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("allow_special", [True, False])
 def test_encoding_lets_other_threads_run(tokenizer, allow_special):
     tokenizer.encode("warm up", allow_special=allow_special)  # build what backends build on first use

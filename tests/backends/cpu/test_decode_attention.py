@@ -31,6 +31,7 @@ def xla_attention(q, keys, values, slots, positions):
     return XLA.attention(q[:, None], keys, values, positions[:, None], rows=slots)[:, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "rows, slots, kv, groups, head_dim, length",
     [
@@ -63,6 +64,7 @@ def test_kernel_matches_xla(kernel, rows, slots, kv, groups, head_dim, length, d
         assert not got[-1].any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", [None, "float16"])
 def test_engine_with_and_without_the_kernel_agree(kernel, kv_cache_dtype):
     """Prefills and decode steps attend through the kernel or XLA over the same cache (float32, or float16)."""

@@ -30,6 +30,7 @@ FLAGS = _flags()
 WIDER = {"avx512f", "avx512_vnni", "avx_vnni"} & FLAGS
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernels")
 @pytest.mark.skipif(platform.machine() != "x86_64" or not {"avx2", "fma"} <= FLAGS, reason="not an AVX2 CPU")
 @pytest.mark.skipif(not WIDER, reason="an AVX2-only CPU: the native build is the AVX2 one")

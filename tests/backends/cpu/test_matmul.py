@@ -114,6 +114,7 @@ def test_gated_matmul_saturates_without_overflow():
         np.testing.assert_allclose(got, silu * scale, rtol=1e-6, atol=1e-30)
 
 
+@pytest.mark.slow
 def test_kernel_threads_can_be_capped(kernel_folder):
     """JAXLLAMA_KERNEL_THREADS=1: a shared product starts no helper thread (by default, one per core less one:
     counted against the threads the process had before its first product); the result is the same."""

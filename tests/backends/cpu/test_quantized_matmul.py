@@ -110,6 +110,7 @@ def test_prepare_quantizes_every_product():
     assert all(p.panels.dtype == jnp.int8 and p.scales is not None for p in products)
 
 
+@pytest.mark.slow
 def test_engine_on_quantized_weights_matches_the_forward_pass_on_them():
     """Greedy tokens of an engine with quantize='q8_0' equal those of the full forward pass (XLA, float32) over
     weights quantized by gguf: the kernels multiply by exactly those weights."""
@@ -126,6 +127,7 @@ def test_engine_on_quantized_weights_matches_the_forward_pass_on_them():
     assert any(reference_greedy(config, params, r.prompt, r.params.max_tokens) != expected[r.id] for r in requests)
 
 
+@pytest.mark.slow
 def test_smollm2_on_quantized_weights_matches_float32_on_gguf_q8_0_weights(smollm2_float32_checkpoint):
     """The real model: greedy tokens of a quantize='q8_0' engine equal a float32 engine's over the same weights
     quantized by gguf (the output projection quantized, the embedding lookup not, as the kernels run it)."""

@@ -139,6 +139,7 @@ def test_q8_0_blocks_pack_to_the_panels_quantizing_gives(layout):
     np.testing.assert_array_equal(gated.panels, want.panels)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stored, tied", [("bfloat16", True), ("q8_0", True), ("q4_0", False), ("mixed", False)])
 def test_prepare_reads_weights_as_stored(stored, tied):
     """Every product packed from its stored form (fused where stored alike), logits close to XLA's on the same
@@ -189,6 +190,7 @@ def test_prepare_reads_weights_as_stored(stored, tied):
     assert np.abs(got - want).max() <= tolerance * np.abs(want).max(), np.abs(got - want).max() / np.abs(want).max()
 
 
+@pytest.mark.slow
 def test_a_model_computing_in_bfloat16_runs_on_the_kernels():
     """Every weight bfloat16, the embedding too (the model computes in bfloat16, its cache too): the kernels compute
     in float32 and round their results to bfloat16, close to XLA's bfloat16 forward pass."""

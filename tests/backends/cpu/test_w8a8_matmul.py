@@ -116,6 +116,7 @@ def test_prepare_quantizes_every_product():
     assert all(p.panels.dtype == jnp.uint8 and p.scales is not None for p in products)
 
 
+@pytest.mark.slow
 def test_smollm2_on_w8a8_picks_what_float32_on_the_same_weights_ranks_first_or_nearly(smollm2_float32_checkpoint):
     """The real model: every greedy token of a w8a8 engine, scored by the float32 forward pass (XLA) over the same
     weights (gguf's Q8_0) on the w8a8 engine's own text, is that pass's first choice or within 0.5 of its logit:
