@@ -55,7 +55,7 @@ def main(
         max_slots=max_batch, max_context=max_context, quantize=quantize, kv_cache_dtype=kv_cache_dtype
     )
     report = aot.compile_engine(
-        config, devices, dataclasses.replace(options, decode_steps=1), target=devices[0].device_kind, mesh=mesh,
+        config, devices, options, target=devices[0].device_kind, mesh=mesh,
         prefills=[(min(8, max_batch), prompt)],
     )  # fmt: skip
     cache_dtype = kvcache.dtype(kv_cache_dtype, jnp.bfloat16)

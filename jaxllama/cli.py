@@ -59,8 +59,7 @@ def _engine_options(max_batch, max_context=None, decode_steps=None, quantize=Non
     from jaxllama.errors import is_int
 
     if not (is_int(max_batch) and max_batch >= 1):
-        raise ValueError(f"--max-batch {max_batch!r}: must be a positive integer")
-
+        raise ValueError(f"--max-batch {max_batch!r}: must be a positive integer")  # by the flag's name
     return EngineOptions(
         max_slots=max_batch,
         max_context=max_context,
@@ -319,7 +318,7 @@ def compile(
     _log_to_stderr(logging.INFO)
     try:
         prefills = [_rows_by_tokens(p) for p in _as_list(prefill) for p in p.split(",") if p] or None
-        options = _engine_options(max_batch, max_context, decode_steps=1, kv_cache_dtype=kv_cache_dtype)
+        options = _engine_options(max_batch, max_context, kv_cache_dtype=kv_cache_dtype)
         report = LLM.compile_for(
             model, topology=topology, mesh=mesh, dtype=dtype, quantize=quantize, prefills=prefills, options=options
         )

@@ -95,7 +95,6 @@ class LLM:
         self.config, self.mesh = config, mesh
         self.tokenizer, self.template, self.eos_ids = tokenizer, template, frozenset(eos_ids)
         self.path = path
-        options = options or EngineOptions()
         self.engine = Engine(config, params, mesh, options, eos_ids=self.eos_ids, donate_params=donate_params, ops=ops)
         self.params = self.engine.params  # the weights the engine runs: prepared for its backend, no other copy
         self.text_engine = TextEngine(self.engine, tokenizer)
@@ -214,7 +213,7 @@ class LLM:
         from jaxllama.default_model import resolve_model
         from jaxllama.engine import aot
 
-        options = dataclasses.replace(options or EngineOptions(decode_steps=1), **engine_options)
+        options = dataclasses.replace(options or EngineOptions(), **engine_options)
         if isinstance(model, ModelConfig):
             config = model
         elif isinstance(model, str) and known_shape(model) is not None:

@@ -32,8 +32,9 @@ LANES = 128  # a head's width must be a multiple of it
 PAGE_SIZE = 64
 MAX_PAGES_PER_BLOCK = 8  # pages a kernel reads at a time: with 64-position pages, 512 positions a block
 # A prompt's attention runs the flash kernel from this many tokens: below, the kernel's layout ([heads, t] major, not
-# XLA's [t, heads]) costs its transposes more than it saves (`jaxllama compile`, 8B on v5e:2x4 by cycles: 8 x 512
-# 48.9 ms by XLA, 50.9 ms by the kernel; 1 x 1024 15.5 and 13.7 ms; 1 x 4095 63.5 and 51.8 ms).
+# XLA's [t, heads]) costs its transposes about what it saves (`jaxllama compile`, 8B on v5e:2x4 by cycles, the
+# kernel's flops at peak added: 8 x 512 58.6 ms by XLA, 60.9 ms by the kernel; 1 x 1024 18.0 and 16.4 ms; 1 x 4095
+# 101.9 and 63.7 ms).
 FLASH_MIN_TOKENS = 1024
 GPU_SPLITS = 16  # the GPU kernel splits each row's pages into this many parts, run in parallel, then joined
 
@@ -96,26 +97,17 @@ class TpuOps(PallasOps):
 
         b, t, kv, g, hd = q.shape
         mesh = jax.sharding.get_abstract_mesh()
-        sizes = {} if mesh.empty else dict(mesh.shape)
+        axes = {} if mesh.empty else dict(mesh.shape)
+        model = axes.get("model", 1)
         block = next((n for n in (512, 256, 128) if t % n == 0), None)
-        if (
-            t < FLASH_MIN_TOKENS
-            or block is None
-            or hd % LANES
-            or kv % sizes.get("model", 1)
-            or sizes.get("data", 1) > 1
-        ):
+        if t < FLASH_MIN_TOKENS or block is None or hd % LANES or kv % model or axes.get("data", 1) > 1:
             return None
         heads = lambda x: x.transpose(0, 2, 1, 3)  # [b, t, heads, hd] <-> [b, heads, t, hd]
         queries = heads(q.reshape(b, t, kv * g, hd))  # head kv_index * g + group
         keys, values = (heads(jnp.repeat(x, g, axis=2)) for x in (k, v))
-        sizes = dict(block_q=block, block_k_major=block, block_k=block, block_b=1)
-        sizes |= dict(block_q_major_dkv=block, block_k_major_dkv=block, block_k_dkv=block, block_q_dkv=block)
-        sizes |= dict(block_k_major_dq=block, block_k_dq=block, block_q_dq=block)
-        attend = functools.partial(
-            flash.flash_attention, causal=True, sm_scale=1.0 / math.sqrt(hd), block_sizes=flash.BlockSizes(**sizes)
-        )
-        if not mesh.empty and "model" in mesh.axis_names and mesh.shape["model"] > 1:
+        blocks = flash.BlockSizes(block_q=block, block_k_major=block, block_k=block, block_b=1)  # the forward pass's
+        attend = functools.partial(flash.flash_attention, causal=True, sm_scale=1.0 / math.sqrt(hd), block_sizes=blocks)
+        if model > 1:
             split = PartitionSpec(None, "model")
             attend = jax.shard_map(attend, mesh=mesh, in_specs=(split,) * 3, out_specs=split, check_vma=False)
         return heads(attend(queries, keys, values)).reshape(q.shape).astype(q.dtype)

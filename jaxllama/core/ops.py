@@ -77,14 +77,14 @@ class Ops:
             q, scales, x2 = w.quants.reshape(-1, n_in).astype(x.dtype), w.scales.reshape(-1), x.reshape(-1, n_in)
             if not self.float32_products:
                 y = jax.lax.dot_general(q, x2, (((1,), (1,)), ((), ()))).T
-                return (y.astype(F32) * scales).astype(x.dtype).reshape(*lead, *out)
-            # Summed in float32 inside the matrix unit, given in x's dtype: where the model axis splits the inputs,
-            # the partial sums are all-reduced in 16 bits, half the bytes of float32's (a long prefill's all-reduces
-            # bound it on a TPU slice), as a bfloat16 weight's product gives them. Scaled after, not as the product
-            # reads the weight, even for a prompt's many rows: the scaled weight made the compiler split the products
-            # into collective matmuls of 16 small pieces (`jaxllama compile`, 70B int8 prefill 8 x 512 on v5e:4x4:
-            # 386.1 ms by cycles, 293.5 scaled after).
-            y = jax.lax.dot_general(x2, q, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
+            else:
+                # Summed in float32 inside the matrix unit, given in x's dtype: where the model axis splits the
+                # inputs, the partial sums are all-reduced in 16 bits, half the bytes of float32's (a long prefill's
+                # all-reduces bound it on a TPU slice), as a bfloat16 weight's product gives them. Scaled after, not
+                # as the product reads the weight, even for a prompt's many rows: the scaled weight made the compiler
+                # split the products into collective matmuls of 16 small pieces (`jaxllama compile`, 70B int8
+                # prefill 8 x 512 on v5e:4x4: 386.1 ms by cycles, 293.5 scaled after).
+                y = jax.lax.dot_general(x2, q, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
             return (y.astype(F32) * scales).astype(x.dtype).reshape(*lead, *out)
         w = dequantize(w, x.dtype) if isinstance(w, Blocks) else w.astype(x.dtype)
         y = jax.lax.dot_general(w.reshape(-1, n_in), x.reshape(-1, n_in), (((1,), (1,)), ((), ()))).T

@@ -279,11 +279,12 @@ def compile_engine(
     **fields,
 ) -> EngineReport:
     """Compile the engine's programs for `config` (as restored) on `devices` with `options` (fields given as keywords
-    replace its own; one decode step per call unless they say otherwise) and report them (see the module's
-    docstring). `prefills`: (rows, prompt tokens) of the prefills to compile; default one row of the whole context
-    and min(8, slots) rows of 512 tokens. ModelTooLarge before compiling anything where no mesh fits."""
+    replace its own) and report them (see the module's docstring). `prefills`: (rows, prompt tokens) of the prefills
+    to compile; default one row of the whole context and min(8, slots) rows of 512 tokens. ModelTooLarge before
+    compiling anything where no mesh fits."""
     started = time.perf_counter()
-    options = dataclasses.replace(options or EngineOptions(decode_steps=1), **fields)
+    options = dataclasses.replace(options or EngineOptions(), **fields)
+    options = dataclasses.replace(options, decode_steps=1)  # the report's decode step is one step, one call
     cache_dtype = kvcache.dtype(options.kv_cache_dtype, activation_dtype_of(config))
     where = memory.plan(config, devices, mesh, options, cache_dtype)
     memory.check_plan(where)
