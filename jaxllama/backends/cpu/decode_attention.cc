@@ -1,10 +1,15 @@
-// Decode attention on the CPU: one query per row against the cached keys/values of the row's slot, for XLA:CPU,
-// which runs it as single-threaded batched reductions far below the memory bandwidth (benchmarks/README.md). An XLA FFI
-// handler (`ffi.h`); `decode_attention.py` calls it.
+// Attention on the CPU for decode steps and prompts: each query row against the cached keys/values of its row's
+// slot, for XLA:CPU, which runs it as single-threaded batched reductions far below the memory bandwidth
+// (benchmarks/README.md). A prompt's consecutive query rows of one slot are computed together: each key and value
+// vector is read once for all of them and all the kv head's query heads, so that a prompt's attention runs on the
+// FMA units instead of waiting on the cache (one query at a time read every key once per query). Each query's
+// arithmetic is the same in whatever group it is computed, so its result does not depend on what shares its call.
+// An XLA FFI handler (`ffi.h`); `decode_attention.py` calls it.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "ffi.h"
@@ -21,7 +26,6 @@ struct Shape {
 using jaxllama::kLanes;
 using jaxllama::Vec;
 
-constexpr int kGroupsAtOnce = 4;  // query heads of a kv head whose sums are kept in registers together
 
 // The cache's element types: float32, float16 or bfloat16 (their bits), each read as floats.
 struct Half {
@@ -42,6 +46,15 @@ inline float ToFloat(BFloat16 x) {
 
 using jaxllama::kRegLanes;
 using jaxllama::Reg;
+
+// Query vectors whose sums are kept in registers together (2 vectors of kRegLanes positions or dims each, plus the
+// key or value vectors and a broadcast): a prompt's rows x a kv head's query heads. AVX-512: 24 of 32 registers;
+// AVX: 12 of 16.
+#if defined(JAXLLAMA_WIDE)
+constexpr int kQueriesAtOnce = 12;
+#else
+constexpr int kQueriesAtOnce = 6;
+#endif
 
 inline Vec Load(const float* p) {
   Vec v;
@@ -72,7 +85,7 @@ inline Reg LoadReg(const BFloat16* p) {  // a bfloat16 is a float32's high half
   return v;
 }
 
-// scores[j, t0..t0 + kV x kRegLanes) = q[j] . keys[:, t0..] x scale for kG query heads: each key vector is read
+// scores[j, t0..t0 + kV x kRegLanes) = q[j] . keys[:, t0..] x scale for kG query vectors: each key vector is read
 // once for all of them, and the sums stay in registers. Keys are [dim, length]: a block reads up to 128 bytes of
 // each dim's row, and fetches the next block's ahead (many rows far apart defeat the hardware's prefetch).
 template <int kG, int kV, typename C>
@@ -95,7 +108,7 @@ void ScoreBlock(const float* q, const C* keys, int64_t hd, int64_t n, int64_t t0
     }
 }
 
-// out[j, e0..e0 + kV x kRegLanes) = sum over t < visible of p[j, t] x values[t, e0..] for kG query heads.
+// out[j, e0..e0 + kV x kRegLanes) = sum over t < visible of p[j, t] x values[t, e0..] for kG query vectors.
 template <int kG, int kV, typename C>
 void WeighBlock(const float* p, const C* values, int64_t hd, int64_t n, int64_t visible, int64_t e0, float* out) {
   Reg acc[kG][kV] = {};
@@ -112,8 +125,10 @@ void WeighBlock(const float* p, const C* values, int64_t hd, int64_t n, int64_t 
     for (int h = 0; h < kV; ++h) std::memcpy(out + j * hd + e0 + h * kRegLanes, &acc[j][h], sizeof(Reg));
 }
 
-// kG query heads' scores (`scoring`: positions [0, visible), 2 or 1 x kRegLanes at a time where the cache's length
-// allows, the rest one by one) or weighted values (2 or 1 x kRegLanes dims at a time, the rest one by one).
+// kG query vectors' scores (`scoring`: positions [0, visible), 2 or 1 x kRegLanes at a time where the cache's length
+// allows, the rest one by one) or weighted values (2 or 1 x kRegLanes dims at a time, the rest one by one). The rest
+// are summed by explicit FMAs: a contraction left to the compiler may differ between kG's, and a query's result
+// would then depend on what shares its call.
 template <int kG, typename C>
 void Heads(const float* q, const C* keys, const C* values, int64_t visible, int64_t hd, int64_t n,
            float scale, float* out, float* scores, bool scoring) {
@@ -126,7 +141,7 @@ void Heads(const float* q, const C* keys, const C* values, int64_t visible, int6
     for (int64_t t = t0; t < visible; ++t) {
       for (int j = 0; j < kG; ++j) {
         float sum = 0.0f;
-        for (int64_t d = 0; d < hd; ++d) sum += q[j * hd + d] * ToFloat(keys[d * n + t]);
+        for (int64_t d = 0; d < hd; ++d) sum = std::fma(q[j * hd + d], ToFloat(keys[d * n + t]), sum);
         scores[j * n + t] = sum * scale;
       }
     }
@@ -137,60 +152,75 @@ void Heads(const float* q, const C* keys, const C* values, int64_t visible, int6
     for (int64_t e = e0; e < hd; ++e) {
       for (int j = 0; j < kG; ++j) {
         float sum = 0.0f;
-        for (int64_t t = 0; t < visible; ++t) sum += scores[j * n + t] * ToFloat(values[t * hd + e]);
+        for (int64_t t = 0; t < visible; ++t) sum = std::fma(scores[j * n + t], ToFloat(values[t * hd + e]), sum);
         out[j * hd + e] = sum;
       }
     }
   }
 }
 
-// The kv head's query heads kGroupsAtOnce at a time: scores (`scoring`) or the weighted values.
-template <typename C>
-void Groups(const float* q, const C* keys, const C* values, int64_t visible, int64_t g, int64_t hd,
-            int64_t n, float scale, float* out, float* scores, bool scoring) {
-  for (int64_t j = 0; j < g; j += kGroupsAtOnce) {
-    const float* qj = q + j * hd;
-    float *oj = out + j * hd, *sj = scores + j * n;
-    switch (std::min<int64_t>(kGroupsAtOnce, g - j)) {
-      case 1: Heads<1, C>(qj, keys, values, visible, hd, n, scale, oj, sj, scoring); break;
-      case 2: Heads<2, C>(qj, keys, values, visible, hd, n, scale, oj, sj, scoring); break;
-      case 3: Heads<3, C>(qj, keys, values, visible, hd, n, scale, oj, sj, scoring); break;
-      default: Heads<4, C>(qj, keys, values, visible, hd, n, scale, oj, sj, scoring); break;
-    }
-  }
+// The query vectors q [m, dim] kQueriesAtOnce at a time: scores (`scoring`, positions [0, visible)) or the weighted
+// values.
+template <typename C, size_t... G>
+void Groups(const float* q, const C* keys, const C* values, int64_t visible, int64_t m, int64_t hd, int64_t n,
+            float scale, float* out, float* scores, bool scoring, std::index_sequence<G...>) {
+  using Fn = void (*)(const float*, const C*, const C*, int64_t, int64_t, int64_t, float, float*, float*, bool);
+  static constexpr Fn kHeads[] = {Heads<G + 1, C>...};
+  for (int64_t j = 0; j < m; j += kQueriesAtOnce)
+    kHeads[std::min<int64_t>(kQueriesAtOnce, m - j) - 1](q + j * hd, keys, values, visible, hd, n, scale,
+                                                          out + j * hd, scores + j * n, scoring);
 }
 
-// One (row, kv head): q [groups, dim]; keys [dim, length]; values [length, dim]; out [groups, dim]. Positions
-// [0, visible) are attended to; scores [groups, length] is scratch. Query heads go kGroupsAtOnce at a time, their
-// sums in registers (`Heads`): each key and value vector is read once for all of them, and no score or output is
-// read and written back per dim or position (3x faster than loops over one head at a time).
+// The largest of scores[0, n), n >= 1, kLanes at a time (a loop of std::max waits on each comparison in turn).
+inline float Max(const float* scores, int64_t n) {
+  Vec tops = jaxllama::Splat<Vec>(scores[0]);
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+    const Vec v = Load(scores + t);
+    tops = v > tops ? v : tops;
+  }
+  float top = scores[0];
+  for (int i = 0; i < kLanes; ++i) top = std::max(top, tops[i]);
+  for (; t < n; ++t) top = std::max(top, scores[t]);
+  return top;
+}
+
+// m query vectors of one slot and kv head: q [m, dim], query i seeing positions [0, visible[i]); keys [dim, length];
+// values [length, dim]; out [m, dim]; scores [m, length] is scratch. Scores and weighted values run over the most
+// positions any of them sees, `Groups` of them at a time, their sums in registers (`Heads`): each key and value
+// vector is read once for the group, and no score or output is read and written back per dim or position. A query's
+// weights past its own positions are 0, which leaves its sums as they were.
 template <typename C>
-void Attend(const float* q, const C* keys, const C* values, int64_t visible, const Shape& s, float* out,
-            float* scores) {
-  const int64_t g = s.groups, hd = s.dim, n = s.length;
+void Attend(const float* q, const C* keys, const C* values, const int64_t* visible, int64_t m, const Shape& s,
+            float* out, float* scores) {
+  const int64_t hd = s.dim, n = s.length;
+  const int64_t most = *std::max_element(visible, visible + m);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  Groups(q, keys, values, visible, g, hd, n, scale, out, scores, true);
-  for (int64_t j = 0; j < g; ++j) {
+  const auto groups = std::make_index_sequence<kQueriesAtOnce>{};
+  Groups(q, keys, values, most, m, hd, n, scale, out, scores, true, groups);
+  for (int64_t j = 0; j < m; ++j) {
     float* sc = scores + j * n;
-    float top = sc[0];
-    for (int64_t t = 1; t < visible; ++t) top = std::max(top, sc[t]);
+    const int64_t seen = visible[j];
+    const float top = Max(sc, seen);
     Vec sums = {};
     int64_t t = 0;
-    for (; t + kLanes <= visible; t += kLanes) {  // e^(score - top) <= 1, by `vec.h`'s Exp
+    for (; t + kLanes <= seen; t += kLanes) {  // e^(score - top) <= 1, by `vec.h`'s Exp
       const Vec e = jaxllama::Exp(Load(sc + t) - top);
       std::memcpy(sc + t, &e, sizeof(e));
       sums += e;
     }
     float total = 0.0f;
     for (int i = 0; i < kLanes; ++i) total += sums[i];
-    for (; t < visible; ++t) total += (sc[t] = std::exp(sc[t] - top));
+    for (; t < seen; ++t) total += (sc[t] = std::exp(sc[t] - top));
     const float inv = 1.0f / total;
-    for (int64_t t = 0; t < visible; ++t) sc[t] *= inv;
+    for (int64_t t = 0; t < seen; ++t) sc[t] *= inv;
+    std::fill(sc + seen, sc + most, 0.0f);
   }
-  Groups(q, keys, values, visible, g, hd, n, scale, out, scores, false);
+  Groups(q, keys, values, most, m, hd, n, scale, out, scores, false, groups);
 }
 
-// The (row, kv head) pairs in chunks, over a cache of C.
+// The work in units of (a run of query rows, kv head): a run is up to `per_run` consecutive rows of one slot (a
+// prompt's), or one row.
 template <typename C>
 struct Attention : jaxllama::Job {
   Attention(int64_t chunks, int64_t per_chunk) : Job(chunks), per_chunk(per_chunk) {}
@@ -199,38 +229,68 @@ struct Attention : jaxllama::Job {
   const int32_t *slot_of, *positions;  // per query row: its cache row, its position
   float* out;
   Shape s;
+  std::vector<int64_t> runs;  // each run's first row, then the rows' count
   const int64_t per_chunk;
 
   void Run(int64_t c) override {
-    thread_local std::vector<float> scores;
-    scores.resize(s.groups * s.length);
-    for (int64_t i = c * per_chunk, end = std::min((c + 1) * per_chunk, s.rows * s.kv); i < end; ++i) {
-      const int64_t b = i / s.kv, h = i % s.kv;
-      float* o = out + i * s.groups * s.dim;
-      const int64_t slot = slot_of[b], visible = std::min<int64_t>(int64_t{positions[b]} + 1, s.length);
-      if (slot < 0 || slot >= s.slots || visible <= 0) {  // a padding row
-        std::fill(o, o + s.groups * s.dim, 0.0f);
+    thread_local std::vector<float> scores, queries, outs;
+    const int64_t gd = s.groups * s.dim, units = (static_cast<int64_t>(runs.size()) - 1) * s.kv;
+    for (int64_t i = c * per_chunk, end = std::min((c + 1) * per_chunk, units); i < end; ++i) {
+      const int64_t r = i / s.kv, h = i % s.kv, b0 = runs[r], rows = runs[r + 1] - b0, m = rows * s.groups;
+      const int64_t slot = slot_of[b0];
+      int64_t visible[kQueriesAtOnce];
+      if (slot < 0 || slot >= s.slots || positions[b0] < 0) {  // a padding row
+        float* o = out + (b0 * s.kv + h) * gd;
+        std::fill(o, o + gd, 0.0f);
         continue;
       }
       const int64_t cell = (slot * s.kv + h) * s.dim * s.length;
-      Attend(q + i * s.groups * s.dim, keys + cell, values + cell, visible, s, o, scores.data());
+      if (rows == 1) {  // a decode row: its query heads and result in place
+        std::fill(visible, visible + s.groups, std::min<int64_t>(int64_t{positions[b0]} + 1, s.length));
+        scores.resize(s.groups * s.length);
+        Attend(q + (b0 * s.kv + h) * gd, keys + cell, values + cell, visible, s.groups, s, out + (b0 * s.kv + h) * gd,
+               scores.data());
+        continue;
+      }
+      queries.resize(m * s.dim);
+      outs.resize(m * s.dim);
+      scores.resize(m * s.length);
+      for (int64_t b = 0; b < rows; ++b) {
+        std::copy_n(q + ((b0 + b) * s.kv + h) * gd, gd, queries.data() + b * gd);
+        std::fill_n(visible + b * s.groups, s.groups, std::min<int64_t>(int64_t{positions[b0 + b]} + 1, s.length));
+      }
+      Attend(queries.data(), keys + cell, values + cell, visible, m, s, outs.data(), scores.data());
+      for (int64_t b = 0; b < rows; ++b) std::copy_n(outs.data() + b * gd, gd, out + ((b0 + b) * s.kv + h) * gd);
     }
   }
 };
 
 template <typename C>
 XLA_FFI_Error* Run(XLA_FFI_CallFrame* frame, XLA_FFI_Buffer* const* in, XLA_FFI_Buffer* result, const Shape& s) {
-  const int64_t pairs = s.rows * s.kv, per_chunk = std::max<int64_t>(1, pairs / 32);
-  Attention<C> job((pairs + per_chunk - 1) / per_chunk, per_chunk);
+  const auto* slot_of = static_cast<const int32_t*>(in[3]->data);
+  const auto* positions = static_cast<const int32_t*>(in[4]->data);
+  // Runs of consecutive rows of one slot at consecutive positions (a prompt's), as many as fill kQueriesAtOnce
+  // query vectors; a row of more query heads than that runs alone.
+  const int64_t per_run = std::max<int64_t>(1, kQueriesAtOnce / s.groups);
+  std::vector<int64_t> runs;
+  for (int64_t b = 0; b < s.rows; ++b) {
+    const bool follows = !runs.empty() && b - runs.back() < per_run && slot_of[b] == slot_of[b - 1] &&
+                         positions[b] == positions[b - 1] + 1 && slot_of[b] >= 0 && slot_of[b] < s.slots;
+    if (!follows) runs.push_back(b);
+  }
+  runs.push_back(s.rows);
+  const int64_t units = (static_cast<int64_t>(runs.size()) - 1) * s.kv, per_chunk = std::max<int64_t>(1, units / 32);
+  Attention<C> job((units + per_chunk - 1) / per_chunk, per_chunk);
+  job.runs = std::move(runs);
   job.q = static_cast<const float*>(in[0]->data);
   job.keys = static_cast<const C*>(in[1]->data);
   job.values = static_cast<const C*>(in[2]->data);
-  job.slot_of = static_cast<const int32_t*>(in[3]->data);
-  job.positions = static_cast<const int32_t*>(in[4]->data);
+  job.slot_of = slot_of;
+  job.positions = positions;
   job.out = static_cast<float*>(result->data);
   job.s = s;
   // Small calls run on this thread alone: handing work to the pool costs more than it saves.
-  jaxllama::RunJob(frame, job, pairs * s.length >= kMinShared);
+  jaxllama::RunJob(frame, job, s.rows * s.kv * s.length >= kMinShared);
   return nullptr;
 }
 

@@ -64,6 +64,30 @@ def test_kernel_matches_xla(kernel, rows, slots, kv, groups, head_dim, length, d
         assert not got[-1].any()
 
 
+@pytest.mark.parametrize("groups, head_dim, length", [(3, 64, 300), (1, 16, 77), (8, 32, 64), (5, 24, 203)])
+def test_prompt_rows_are_computed_as_one_at_a_time(kernel, groups, head_dim, length):
+    """A prompt's consecutive rows (computed together, a run of them per group of query vectors) give each row's
+    result bit for bit as that row alone does, whatever shares its call: prompts of several slots, one that starts
+    past position 0 (over a reused prefix), a padding row among them and decode rows; and XLA's within float32's
+    rounding."""
+    rng = np.random.default_rng(groups + length)
+    slots, kv = 4, 2
+    q = rng.standard_normal((40, kv, groups, head_dim), np.float32)
+    keys = rng.standard_normal((slots, kv, head_dim, length), np.float32)
+    values = rng.standard_normal((slots, kv, length, head_dim), np.float32)
+    rows = np.array([0] * 13 + [2] * 11 + [slots] + [1] * 9 + [3, 0, 2, 1, 3, 3], np.int32)
+    positions = np.concatenate(
+        [np.arange(13), np.arange(length - 11, length), [0], np.arange(40, 49), [5, 13, length - 1, 9, 0, 1]]
+    ).astype(np.int32)
+    together = np.asarray(kernel(q, keys, values, rows, positions))
+    alone = np.concatenate([np.asarray(kernel(q[i : i + 1], keys, values, rows[i : i + 1], positions[i : i + 1]))
+                            for i in range(len(rows))])
+    np.testing.assert_array_equal(together, alone)
+    want = np.asarray(jax.jit(xla_attention)(q, keys, values, rows, positions))
+    np.testing.assert_allclose(together, want, rtol=1e-5, atol=2e-6)
+    assert not together[24].any()  # the padding row
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", [None, "float16"])
 def test_engine_with_and_without_the_kernel_agree(kernel, kv_cache_dtype):
