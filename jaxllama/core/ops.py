@@ -49,6 +49,9 @@ class Ops:
     # XLA's keys are positions-major, like the values: a decode step writes one vector per head in place and runs q.k
     # as a batched product (the matrix unit of a TPU or GPU), with no relayout of the cache.
     cache_layout: ClassVar[CacheLayout] = POSITIONS_MAJOR
+    # Whether `attention` reads each query's row of the slots' cache in place, so that a prefill may run as one
+    # packed batch of prompt tokens over that cache (`ModelRunner.prefill`). XLA's gathers each query's whole row.
+    packed_prefill: ClassVar[bool] = False
 
     def prepare(self, params, config) -> dict:
         """params (the whole tree, or part of it) as this backend's products read them. XLA reads the checkpoint's

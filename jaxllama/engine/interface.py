@@ -80,6 +80,7 @@ class ModelRunnerInterface(Protocol):
     max_stop_ids: int  # end-of-generation ids a slot holds, the model's and a request's own
     row_multiple: int  # a call's row count is a multiple of this (the mesh's data axis)
     reuse_multiple: int  # a prompt reuses another slot's prefix in multiples of this many positions
+    packs_prompts: bool  # a prefill's prompts of any lengths run as one batch of their tokens, none padded
 
     def make_room(self, needed: int, lengths: dict[int, int]) -> int:
         """Make the KV cache hold a prefill's rows' `needed` positions and each slot's first `lengths[slot]`;

@@ -124,3 +124,9 @@ def put_rows(cache: KVCache, new: KVCache, rows, span: int, layout: CacheLayout)
         )
         for layer, new_layer in zip(cache, new, strict=True)
     ]
+
+
+def copy_rows(cache: KVCache, sources, rows, span: int, layout: CacheLayout) -> KVCache:
+    """The cache with the first `span` positions of rows `rows` copied from rows `sources` (an index past the last
+    row writes nothing): reused prefixes, before a packed prefill computes the rest of the prompts in place."""
+    return put_rows(cache, take_rows(cache, sources, span, layout), rows, span, layout)

@@ -150,6 +150,12 @@ class ModelRunner:
         return kvcache.length(self.cache)
 
     @property
+    def packs_prompts(self) -> bool:
+        """Whether a prefill runs its prompts as one packed batch of tokens (`_packed_layers`); one asking for its
+        prompt's log-probabilities still runs as rows."""
+        return self.ops.packed_prefill and not self.pages
+
+    @property
     def reuse_multiple(self) -> int:
         """A prompt reuses a prefix another slot holds in multiples of this many positions (whole pages)."""
         return self.pages.page_size if self.pages else 1
@@ -196,15 +202,12 @@ class ModelRunner:
         first token may be, [rows, ceil(vocab / 32)] int32 bitmasks; called while the device runs the layers."""
         batch = _PrefillBatch.of(rows, self, masked=masks is not None)
         inputs = self._put(batch.arrays)
-        fn = functools.partial(step.prefill_inputs, config=self.config)
-        x, positions, rope = self._call("prefill_inputs", fn, (self._outer, inputs["tokens"], inputs["starts"]))
-        if self.pages:
-            self.pages.assign([(r.slot, r.source, r.start, r.start + len(r.tokens)) for r in rows])
-            slots = batch.arrays["slots"]
-            table = self._put(self.pages.table(slots, self.pages.pages_for(batch.span)))
-            x = self._paged_layers("prefill_layers", x, positions, rope, table, batch.fresh)
+        if batch.packed:
+            x = self._packed_layers(inputs, batch.span)
+            last = (step.packed_last, (x, inputs["last"]))
         else:
-            x = self._prefill_layers(x, positions, rope, inputs["sources"], inputs["slots"], batch.span, batch.fresh)
+            x = self._row_layers(rows, inputs, batch)
+            last = (step.prefill_last, (x, inputs["lengths"]))
         prompt = self._prompt_logprobs(x, inputs["tokens"], rows) if batch.prompt_logprobs else None
         if not sample:
             if self.abstract:
@@ -214,7 +217,7 @@ class ModelRunner:
                 return None
             none = np.zeros((0, len(rows)), np.int32)
             return Sampled(none, none.astype(np.float32), none.astype(bool), none, prompt=prompt)
-        x = self._call("prefill_last", step.prefill_last, (x, inputs["lengths"]))
+        x = self._call("prefill_last", *last)
         if masks is not None:  # computed on the host while the layers run (dispatch is asynchronous)
             inputs["mask"] = self._put(_padded_masks(masks(), batch.arrays["mask"]))
         args = (self._outer, self.state, x) + tuple(inputs[k] for k in _PrefillBatch.OUTPUT_ARGS)
@@ -226,6 +229,19 @@ class ModelRunner:
         first, logprobs, finish, top = jax.tree.map(lambda x: np.asarray(x)[None, : len(rows)], jax.device_get(out))
         top_ids, top_logprobs = top if top is not None else (None, None)
         return Sampled(first, logprobs, np.ones_like(first, bool), finish, top_ids, top_logprobs, prompt)
+
+    def _row_layers(self, rows: Sequence[PrefillRow], inputs, batch: _PrefillBatch):
+        """A prefill's layers over its rows x prompt bucket: the rows' pages, or copies of their slots' rows."""
+        fn = functools.partial(step.prefill_inputs, config=self.config)
+        x, positions, rope = self._call("prefill_inputs", fn, (self._outer, inputs["tokens"], inputs["starts"]))
+        if self.pages:
+            self.pages.assign([(r.slot, r.source, r.start, r.start + len(r.tokens)) for r in rows])
+            slots = batch.arrays["slots"]
+            table = self._put(self.pages.table(slots, self.pages.pages_for(batch.span)))
+            x = self._paged_layers("prefill_layers", x, positions, rope, table, batch.fresh)
+        else:
+            x = self._prefill_layers(x, positions, rope, inputs["sources"], inputs["slots"], batch.span, batch.fresh)
+        return x
 
     def generate(
         self,
@@ -313,6 +329,26 @@ class ModelRunner:
             x, self.cache[a:b] = self._call(kind, fn, args, ("paged", fresh), donate=4, out=out)
         return x
 
+    def _packed_layers(self, inputs, span: int):
+        """Every layer of a packed prefill over the slots' cache in place: the reused prefixes copied into the slots
+        that reuse another's (the first `span` positions of `sources` into `copy_to`), then every prompt token as a
+        row of one batch that writes and attends to its slot's row, as a decode step's rows do."""
+        if span:
+            copy = functools.partial(kvcache.copy_rows, span=span, layout=self.layout)
+            caches = [self._cache_sharding] * len(self.cache)
+            self.cache = self._call(
+                "prefill_copy", copy, (self.cache, inputs["sources"], inputs["copy_to"]), span, 0, caches
+            )
+        fn = functools.partial(step.prefill_inputs, config=self.config)
+        args = (self._outer, inputs["packed_tokens"][:, None], inputs["packed_positions"])
+        x, positions, rope = self._call("prefill_inputs", fn, args)
+        fn = functools.partial(step.decode_layers, config=self.config, ops=self.ops)
+        for (a, b), params in zip(self._runs, self._run_params, strict=True):
+            args = (params, x, positions, rope, self.cache[a:b], inputs["packed_slots"])
+            out = (self._activations, [self._cache_sharding] * (b - a))
+            x, self.cache[a:b] = self._call("prefill_packed", fn, args, donate=4, out=out)
+        return x
+
     def _prefill_layers(self, x, positions, rope, sources, slots, span: int, fresh: bool):
         """Every layer of a prefill, a run of layers at a time (`step.prefill_layers`): the rows' caches start empty
         (`fresh`) or as copies of the first `span` positions of slots `sources`, and end in slots `slots`."""
@@ -383,9 +419,10 @@ class _PrefillBatch:
 
     arrays: dict
     flags: SamplerFlags
-    span: int  # cache positions each row reads and writes
+    span: int  # cache positions each row reads and writes; packed: the reused prefixes' copied (0: none)
     fresh: bool  # no row starts from a stored prefix
     prompt_logprobs: bool  # some row asks for its prompt's log-probabilities
+    packed: bool = False  # the prompts' tokens as one batch over the slots' cache (`ModelRunner._packed_layers`)
 
     # prefill_outputs' arguments after (params, state, x), by name in `arrays`.
     OUTPUT_ARGS = ("starts", "lengths", "slots", "seen", "sampling", "max_tokens", "limits", "stop_ids", "mask")
@@ -426,7 +463,35 @@ class _PrefillBatch:
             for i, r in enumerate(rows):
                 a["seen"][i, r.request.prompt] = True
         prompt_logprobs = any(r.request.params.prompt_logprobs is not None for r in rows)
+        if device.packs_prompts and not prompt_logprobs:
+            span = _pack(rows, a, device)
+            return _PrefillBatch(a, flags, span, fresh, prompt_logprobs, packed=True)
         return _PrefillBatch(a, flags, span, fresh, prompt_logprobs)
+
+
+def _pack(rows: Sequence[PrefillRow], a: dict, device: ModelRunner) -> int:
+    """Adds to a prefill's arrays `a` its prompts' tokens as one batch, padded to a `buckets.token_bucket`:
+    packed_tokens, packed_positions and packed_slots (padding tokens land nowhere), each row's last token's index
+    (`last`) and the slot each row's reused prefix is copied into (`copy_to`: out of range where none is). Returns
+    the positions to copy (0: none)."""
+    total = sum(len(r.tokens) for r in rows)
+    n = buckets.token_bucket(total)
+    tokens, positions = np.zeros(n, np.int32), np.zeros(n, np.int32)
+    slots = np.full(n, device.slots, np.int32)
+    a["last"] = np.full(len(a["slots"]), n, np.int32)
+    a["copy_to"] = np.full(len(a["slots"]), device.slots, np.int32)
+    at = 0
+    for i, r in enumerate(rows):
+        k = len(r.tokens)
+        tokens[at : at + k], positions[at : at + k] = r.tokens, np.arange(r.start, r.start + k)
+        slots[at : at + k] = r.slot
+        at += k
+        a["last"][i] = at - 1
+        if r.start and r.source != r.slot:
+            a["copy_to"][i] = r.slot
+    a.update(packed_tokens=tokens, packed_positions=positions, packed_slots=slots)
+    copied = [r.start for i, r in enumerate(rows) if a["copy_to"][i] < device.slots]
+    return min(buckets.bucket(max(copied), device.max_context), device.cache_length) if copied else 0
 
 
 def _padded_masks(masks: np.ndarray, out: np.ndarray) -> np.ndarray:

@@ -152,10 +152,11 @@ class Scheduler:
         if not take:
             return []
         self._compute_shared_prefixes(take, free)
-        by_bucket = collections.defaultdict(list)
+        by_bucket = collections.defaultdict(list)  # prompts padded to one length, unless the runner packs them
         for r in take:
             reuse = self.prefixes.best(r.prompt, logprobs=_wants_prompt_logprobs(r))[1]
-            by_bucket[buckets.prompt_bucket(len(r.prompt) - reuse, self.max_context)].append(r)
+            packed = self.runner.packs_prompts and not _wants_prompt_logprobs(r)
+            by_bucket[0 if packed else buckets.prompt_bucket(len(r.prompt) - reuse, self.max_context)].append(r)
         updates = []
         for _, group in sorted(by_bucket.items()):
             rows = []

@@ -190,6 +190,12 @@ def prefill_last(x, lengths):
     return x[jnp.arange(x.shape[0]), lengths - 1][:, None]
 
 
+def packed_last(x, last):
+    """Each row's last prompt token from a packed prefill's output x [tokens, 1, dim], `last` [n] its index ->
+    [n, 1, dim] (an index past the end clips: a padding row's)."""
+    return jnp.take(x, last, axis=0, mode="clip")
+
+
 def prefill_outputs(
     params,
     state: DecodeState,

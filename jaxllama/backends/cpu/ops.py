@@ -48,6 +48,8 @@ class CpuOps(Ops):
     prepared_on_host: ClassVar[bool] = True
     # The attention kernel reads keys transposed: its q.k loops run along the cached positions in order.
     cache_layout: ClassVar[CacheLayout] = TRANSPOSED_KEYS
+    # The attention kernel reads each query's slot in place and computes a prompt's consecutive tokens together.
+    packed_prefill: ClassVar[bool] = True
 
     def __post_init__(self):
         matmul.check_quantization(self.quantize)

@@ -80,8 +80,12 @@ def test_prompt_rows_are_computed_as_one_at_a_time(kernel, groups, head_dim, len
         [np.arange(13), np.arange(length - 11, length), [0], np.arange(40, 49), [5, 13, length - 1, 9, 0, 1]]
     ).astype(np.int32)
     together = np.asarray(kernel(q, keys, values, rows, positions))
-    alone = np.concatenate([np.asarray(kernel(q[i : i + 1], keys, values, rows[i : i + 1], positions[i : i + 1]))
-                            for i in range(len(rows))])
+    alone = np.concatenate(
+        [
+            np.asarray(kernel(q[i : i + 1], keys, values, rows[i : i + 1], positions[i : i + 1]))
+            for i in range(len(rows))
+        ]
+    )
     np.testing.assert_array_equal(together, alone)
     want = np.asarray(jax.jit(xla_attention)(q, keys, values, rows, positions))
     np.testing.assert_allclose(together, want, rtol=1e-5, atol=2e-6)

@@ -1,0 +1,52 @@
+"""A prefill through the CPU kernels runs as one packed batch of its prompts' tokens over the slots' cache
+(`ModelRunner._packed_layers`): the same tokens and log-probabilities as prompts computed as padded rows over copies
+of their slots' rows, whatever the prompts share (a reused prefix, a step, a call), and the reference's."""
+
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxllama.backends.cpu.ops import CpuOps
+from jaxllama.core.sharding import make_mesh
+from jaxllama.engine.engine import Engine
+from jaxllama.engine.request import Request, SamplingParams
+from tests.helpers.engine import random_prompts, reference_greedy, run, spread_params, tiny_config
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernels")
+
+
+def _requests(seed: int) -> list[Request]:
+    """Prompts of many lengths, some of them sharing a prefix (a system prompt), with the top log-probabilities."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(3, 131, size=37).tolist()
+    prompts = random_prompts(6, seed) + [shared + p for p in random_prompts(6, seed + 1, max_len=20)]
+    params = lambda i: SamplingParams(max_tokens=4 + i % 5, temperature=0.0, top_logprobs=2)
+    return [Request(i, p, params(i)) for i, p in enumerate(prompts)]
+
+
+def _engine(config, params, slots: int) -> Engine:
+    mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
+    return Engine(config, params, mesh, eos_ids=[], max_slots=slots)
+
+
+@pytest.mark.parametrize("slots", [4, 16])  # prompts admitted a few at a time, or all in one packed call
+def test_packed_prefill_matches_prompts_as_rows(cpu_kernels, monkeypatch, slots):
+    assert cpu_kernels
+    config = tiny_config()
+    params = spread_params(config, seed=7)
+    got = {}
+    for packed in (True, False):
+        monkeypatch.setattr(CpuOps, "packed_prefill", packed)
+        engine = _engine(config, params, slots)
+        assert isinstance(engine.ops, CpuOps)
+        tokens, finals = run(engine, _requests(3))
+        kinds = {key[0] for key in engine.runner.programs._compiled}
+        assert ("prefill_packed" in kinds) is packed and ("prefill_copy" in kinds) is packed
+        logprobs = {i: [lp for u in engine.generate([r]) for lp in u.logprobs] for i, r in enumerate(_requests(3)[:3])}
+        got[packed] = tokens, logprobs, {i: u.cached_tokens for i, u in finals.items()}
+    assert got[True] == got[False]
+    assert sum(got[True][2].values()) > 0  # the shared prefix was reused
+    for r in _requests(3):
+        assert got[True][0][r.id] == reference_greedy(config, params, r.prompt, r.params.max_tokens)
