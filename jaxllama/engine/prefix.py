@@ -16,13 +16,16 @@ Plain Python over token lists: every process of a multi-host run makes the same 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
 from jaxllama.engine.interface import PromptLogprobs
 
 MIN_REUSE = 8  # tokens: below this, computing the prefix again costs less than the bookkeeping
+# Tokens a prompt computes again rather than copy a longer prefix from a busy slot into its own: a few tokens' compute
+# costs about what copying a few hundred positions' keys and values does.
+FREE_SLACK = 8
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -53,26 +56,36 @@ class ResidentPrefixes:
         self.logprobs = [None if lp is None else lp[: max(0, length - 1)] for lp in self.logprobs]
 
     def best(
-        self, prompt: Sequence[int], exclude: frozenset[int] = frozenset(), logprobs: bool = False
+        self,
+        prompt: Sequence[int],
+        exclude: frozenset[int] = frozenset(),
+        logprobs: bool = False,
+        free: Collection[int] = (),
     ) -> tuple[int | None, int]:
         """(slot, n): the slot holding the longest prefix of `prompt` and its length, at most len(prompt) - 1
         (the last prompt token is always computed: it gives the first token's logits); with `logprobs`, such that
         the slot also knows the log-probability of the prompt's token n (that of the same token after the same
         tokens: n + 1 tokens in common), so that the prompt's own come from it up to token n and from the prefill
-        after; n a multiple of `multiple`; (None, 0) if no slot holds at least MIN_REUSE tokens of it."""
+        after; n a multiple of `multiple`; (None, 0) if no slot holds at least MIN_REUSE tokens of it. A slot of
+        `free` (which the prompt may then take, computing in place instead of copying the prefix to another slot) is
+        chosen where it holds at least all but FREE_SLACK tokens of the longest."""
         p = np.asarray(prompt, np.int32)
-        best_slot, best_n = None, MIN_REUSE - 1
+        best = {False: (None, MIN_REUSE - 1), True: (None, MIN_REUSE - 1)}  # busy or free: (slot, n)
         for slot, held in enumerate(self.tokens):
             if logprobs:
                 known = self.logprobs[slot]
                 held = held[: 0 if known is None else len(known) + 1]  # tokens 0..k, token k's known
-            if slot in exclude or len(held) <= best_n:
+            is_free = slot in free
+            if slot in exclude or len(held) <= best[is_free][1]:
                 continue
             n = min(common_prefix(p, held) - logprobs, len(prompt) - 1)
             n -= n % self.multiple
-            if n > best_n:
-                best_slot, best_n = slot, n
-        return (best_slot, best_n) if best_slot is not None else (None, 0)
+            if n > best[is_free][1]:
+                best[is_free] = slot, n
+        (busy, n), (idle, m) = best[False], best[True]
+        if idle is not None and (busy is None or m >= n - FREE_SLACK):
+            return idle, m
+        return (busy, n) if busy is not None else (None, 0)
 
 
 def shared_prefixes(prompts: Sequence[Sequence[int]], min_length: int = 16) -> list[tuple[list[int], int]]:

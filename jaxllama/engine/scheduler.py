@@ -162,7 +162,7 @@ class Scheduler:
             rows = []
             for r in group:
                 # Sources are chosen just before each call: the cache then holds what `prefixes` says.
-                source, start = self.prefixes.best(r.prompt, logprobs=_wants_prompt_logprobs(r))
+                source, start = self.prefixes.best(r.prompt, logprobs=_wants_prompt_logprobs(r), free=free)
                 slot = source if source in free else min(free, key=lambda i: len(self.prefixes.tokens[i]))
                 free.remove(slot)
                 rows.append(PrefillRow(r, r.prompt[start:], start, source if source is not None else slot, slot))

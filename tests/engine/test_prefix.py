@@ -33,6 +33,22 @@ def test_resident_prefixes_choose_the_longest_and_leave_one_token_to_compute():
     assert held.best(list(range(10, 15)) + [99]) == (None, 0)  # 5 tokens: below MIN_REUSE
 
 
+def test_a_free_slot_holding_nearly_as_much_is_chosen_over_copying_from_a_busy_one():
+    """A prompt that takes the free slot it reuses computes in place; one reusing a busy slot's prefix has it copied
+    into another slot first. A free slot wins unless a busy one holds over FREE_SLACK tokens more."""
+    held = ResidentPrefixes(4)
+    system = list(range(10, 60))
+    held.hold(0, system + [1, 2, 3, 4, 5, 6])  # busy, 4 tokens more in common with the prompt
+    held.hold(2, system + [7])
+    prompt = system + [1, 2, 3, 4, 9]
+    assert held.best(prompt) == (0, 54)
+    assert held.best(prompt, free=[2, 3]) == (2, 50)
+    held.hold(1, system + list(range(200, 230)))
+    long_prompt = system + list(range(200, 230)) + [5]
+    assert held.best(long_prompt, free=[2, 3]) == (1, 80)  # 30 more tokens than the free slot's: copied
+    assert held.best(long_prompt, free=[1]) == (1, 80)
+
+
 def test_shared_prefixes_groups_prompts_by_their_common_start():
     system = list(range(3, 23))
     prompts = [system + [40, 41], system + [50], [9] * 30, system[:10] + [1] * 20, system + [40, 42, 43]]
