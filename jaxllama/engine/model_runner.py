@@ -331,14 +331,13 @@ class ModelRunner:
 
     def _packed_layers(self, inputs, span: int):
         """Every layer of a packed prefill over the slots' cache in place: the reused prefixes copied into the slots
-        that reuse another's (the first `span` positions of `sources` into `copy_to`), then every prompt token as a
+        that reuse another's (the first `span` positions of `copy_from` into `copy_to`), then every prompt token as a
         row of one batch that writes and attends to its slot's row, as a decode step's rows do."""
         if span:
             copy = functools.partial(kvcache.copy_rows, span=span, layout=self.layout)
             caches = [self._cache_sharding] * len(self.cache)
-            self.cache = self._call(
-                "prefill_copy", copy, (self.cache, inputs["sources"], inputs["copy_to"]), span, 0, caches
-            )
+            args = (self.cache, inputs["copy_from"], inputs["copy_to"])
+            self.cache = self._call("prefill_copy", copy, args, span, 0, caches)
         fn = functools.partial(step.prefill_inputs, config=self.config)
         args = (self._outer, inputs["packed_tokens"][:, None], inputs["packed_positions"])
         x, positions, rope = self._call("prefill_inputs", fn, args)
@@ -472,14 +471,12 @@ class _PrefillBatch:
 def _pack(rows: Sequence[PrefillRow], a: dict, device: ModelRunner) -> int:
     """Adds to a prefill's arrays `a` its prompts' tokens as one batch, padded to a `buckets.token_bucket`:
     packed_tokens, packed_positions and packed_slots (padding tokens land nowhere), each row's last token's index
-    (`last`) and the slot each row's reused prefix is copied into (`copy_to`: out of range where none is). Returns
-    the positions to copy (0: none)."""
-    total = sum(len(r.tokens) for r in rows)
-    n = buckets.token_bucket(total)
+    (`last`), and the reused prefixes to copy, from the slot `copy_from` into `copy_to` (a power of two of them, the
+    padding out of range: only rows reusing another slot's prefix copy). Returns the positions to copy (0: none)."""
+    n = buckets.token_bucket(sum(len(r.tokens) for r in rows))
     tokens, positions = np.zeros(n, np.int32), np.zeros(n, np.int32)
     slots = np.full(n, device.slots, np.int32)
     a["last"] = np.full(len(a["slots"]), n, np.int32)
-    a["copy_to"] = np.full(len(a["slots"]), device.slots, np.int32)
     at = 0
     for i, r in enumerate(rows):
         k = len(r.tokens)
@@ -487,11 +484,15 @@ def _pack(rows: Sequence[PrefillRow], a: dict, device: ModelRunner) -> int:
         slots[at : at + k] = r.slot
         at += k
         a["last"][i] = at - 1
-        if r.start and r.source != r.slot:
-            a["copy_to"][i] = r.slot
     a.update(packed_tokens=tokens, packed_positions=positions, packed_slots=slots)
-    copied = [r.start for i, r in enumerate(rows) if a["copy_to"][i] < device.slots]
-    return min(buckets.bucket(max(copied), device.max_context), device.cache_length) if copied else 0
+    copies = [r for r in rows if r.start and r.source != r.slot]
+    m = buckets.pow2(max(1, len(copies)))
+    a["copy_from"], a["copy_to"] = np.full(m, device.slots, np.int32), np.full(m, device.slots, np.int32)
+    for i, r in enumerate(copies):
+        a["copy_from"][i], a["copy_to"][i] = r.source, r.slot
+    if not copies:
+        return 0
+    return min(buckets.bucket(max(r.start for r in copies), device.max_context), device.cache_length)
 
 
 def _padded_masks(masks: np.ndarray, out: np.ndarray) -> np.ndarray:
