@@ -40,6 +40,12 @@ def prompt_bucket(n: int, limit: int) -> int:
     return min(size, limit)
 
 
+# Prompt tokens a packed prefill computes in one call, at most (a longer prompt runs alone): enough rows to keep the
+# products at their peak, few enough that its activations stay small next to the weights (8192 x the feed-forward's
+# width in float32: 50 MB for SmolLM2, 0.5 GB for Llama-3.1-8B) and that its compiled shapes stay few.
+PACKED_TOKENS = 8192
+
+
 def token_bucket(n: int) -> int:
     """Padded token count of a packed prefill (many prompts' tokens as one batch): a multiple of 64 up to 1024, then
     of 256, so that padding wastes at most a fifth of a small prefill and little of a large one."""

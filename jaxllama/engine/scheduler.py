@@ -152,13 +152,20 @@ class Scheduler:
         if not take:
             return []
         self._compute_shared_prefixes(take, free)
-        by_bucket = collections.defaultdict(list)  # prompts padded to one length, unless the runner packs them
+        # One call per prompt bucket (its prompts padded to one length), or where the runner packs prompts, one per
+        # PACKED_TOKENS of them.
+        calls, packed, call = collections.defaultdict(list), 0, 0
         for r in take:
-            reuse = self.prefixes.best(r.prompt, logprobs=_wants_prompt_logprobs(r))[1]
-            packed = self.runner.packs_prompts and not _wants_prompt_logprobs(r)
-            by_bucket[0 if packed else buckets.prompt_bucket(len(r.prompt) - reuse, self.max_context)].append(r)
+            n = len(r.prompt) - self.prefixes.best(r.prompt, logprobs=_wants_prompt_logprobs(r))[1]
+            if self.runner.packs_prompts and not _wants_prompt_logprobs(r):
+                if packed and packed + n > buckets.PACKED_TOKENS:
+                    call, packed = call + 1, 0
+                packed += n
+                calls[0, call].append(r)
+            else:
+                calls[buckets.prompt_bucket(n, self.max_context), 0].append(r)
         updates = []
-        for _, group in sorted(by_bucket.items()):
+        for _, group in sorted(calls.items()):
             rows = []
             for r in group:
                 # Sources are chosen just before each call: the cache then holds what `prefixes` says.

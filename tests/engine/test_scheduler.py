@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 
+from jaxllama.engine import buckets
 from jaxllama.engine.interface import LENGTH, RUNNING, STOPPED, Sampled
 from jaxllama.engine.request import Request, SamplingParams
 from jaxllama.engine.scheduler import Scheduler
@@ -80,6 +81,19 @@ def test_more_requests_than_slots_wait_and_take_freed_slots_by_priority():
     first = device.calls[0]
     assert first[0] == "prefill" and len(first[1]) == 3  # three slots: the three of highest priority first
     assert scheduler.stats.generated_tokens == sum(2 + i for i in range(5)) - 5  # decoded: all but the first tokens
+
+
+def test_prompts_of_any_lengths_are_packed_into_calls_of_at_most_packed_tokens(monkeypatch):
+    """A runner that packs prompts gets those admitted together in one call, whatever their lengths, up to
+    PACKED_TOKENS tokens a call (a longer prompt alone); one that does not, a call per prompt bucket."""
+    monkeypatch.setattr(buckets, "PACKED_TOKENS", 40)
+    lengths = [3, 30, 20, 50, 5]  # buckets 16, 32, 32, 64, 16
+    for packs, calls in ((True, [[0, 1], [2], [3], [4]]), (False, [[0, 1], [2, 3], [4]])):
+        device = ScriptedRunner()
+        device.slots, device.packs_prompts = 5, packs
+        prompts = [[i + 1] * n for i, n in enumerate(lengths)]  # no two share a prefix
+        run(Scheduler(device), [Request(i, p, SamplingParams(max_tokens=1)) for i, p in enumerate(prompts)])
+        assert [slots for kind, slots, _ in device.calls if kind == "prefill"] == calls
 
 
 def test_finish_ends_a_running_request_with_its_reason_and_stops_its_slot():
