@@ -151,8 +151,7 @@ class ModelRunner:
 
     @property
     def packs_prompts(self) -> bool:
-        """Whether a prefill runs its prompts as one packed batch of tokens (`_packed_layers`); one asking for its
-        prompt's log-probabilities still runs as rows."""
+        """Whether a prefill runs its prompts as one packed batch of tokens (`_packed_layers`)."""
         return self.ops.packed_prefill and not self.pages
 
     @property
@@ -205,10 +204,13 @@ class ModelRunner:
         if batch.packed:
             x = self._packed_layers(inputs, batch.span)
             last = (step.packed_last, (x, inputs["last"]))
+            firsts = batch.arrays["last"][: len(rows)] - [len(r.tokens) - 1 for r in rows]
+            tokens = inputs["packed_tokens"]
         else:
             x = self._row_layers(rows, inputs, batch)
             last = (step.prefill_last, (x, inputs["lengths"]))
-        prompt = self._prompt_logprobs(x, inputs["tokens"], rows) if batch.prompt_logprobs else None
+            tokens, firsts = inputs["tokens"], None
+        prompt = self._prompt_logprobs(x, tokens, rows, firsts) if batch.prompt_logprobs else None
         if not sample:
             if self.abstract:
                 return None
@@ -289,14 +291,19 @@ class ModelRunner:
 
     # ---- programs ---------------------------------------------------------------------------------
 
-    def _prompt_logprobs(self, x, tokens, rows: Sequence[PrefillRow]) -> list[PromptLogprobs]:
-        """Each row's `step.prompt_logprobs`, for its tokens after the first."""
-        fn = functools.partial(step.prompt_logprobs, config=self.config, ops=self.ops)
+    def _prompt_logprobs(self, x, tokens, rows: Sequence[PrefillRow], firsts=None) -> list[PromptLogprobs]:
+        """Each row's `step.prompt_logprobs`, for its tokens after the first; `firsts`: a packed prefill's, each
+        row's first token's index in it (`step.packed_prompt_logprobs`)."""
+        fn = step.prompt_logprobs if firsts is None else step.packed_prompt_logprobs
+        fn = functools.partial(fn, config=self.config, ops=self.ops)
         out = self._call("prompt_logprobs", fn, (self._outer, x, tokens), out=(self._replicated,) * 3)
         if self.abstract:
             return None
         logprobs, top_ids, top_logprobs = jax.device_get(out)
         n = [len(r.tokens) - 1 for r in rows]
+        if firsts is not None:
+            spans = [slice(a, a + k) for a, k in zip(firsts, n, strict=True)]
+            return [PromptLogprobs(logprobs[s], top_ids[s], top_logprobs[s]) for s in spans]
         return [PromptLogprobs(logprobs[i, :k], top_ids[i, :k], top_logprobs[i, :k]) for i, k in enumerate(n)]
 
     def _call(self, kind: str, fn, args, static_key=None, donate: int | None = None, out=None):
@@ -462,7 +469,7 @@ class _PrefillBatch:
             for i, r in enumerate(rows):
                 a["seen"][i, r.request.prompt] = True
         prompt_logprobs = any(r.request.params.prompt_logprobs is not None for r in rows)
-        if device.packs_prompts and not prompt_logprobs:
+        if device.packs_prompts:
             span = _pack(rows, a, device)
             return _PrefillBatch(a, flags, span, fresh, prompt_logprobs, packed=True)
         return _PrefillBatch(a, flags, span, fresh, prompt_logprobs)

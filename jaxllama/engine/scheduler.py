@@ -157,7 +157,7 @@ class Scheduler:
         calls, packed, call = collections.defaultdict(list), 0, 0
         for r in take:
             n = len(r.prompt) - self.prefixes.best(r.prompt, logprobs=_wants_prompt_logprobs(r))[1]
-            if self.runner.packs_prompts and not _wants_prompt_logprobs(r):
+            if self.runner.packs_prompts:
                 if packed and packed + n > buckets.PACKED_TOKENS:
                     call, packed = call + 1, 0
                 packed += n

@@ -258,8 +258,23 @@ def prompt_logprobs(params, x, tokens, *, config: ModelConfig, ops: Ops = XLA):
 
     Returns (logprobs [n, q]: of token j + 1 at position j, meaningless at a row's last token and past it; top ids
     [n, q, k] int32 and their logprobs [n, q, k]: the k = MAX_LOGPROBS most likely tokens there)."""
-    k = min(MAX_LOGPROBS, config.vocab_size)
     following = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    return _logprobs_of(params, x, following, config, ops)
+
+
+def packed_prompt_logprobs(params, x, tokens, *, config: ModelConfig, ops: Ops = XLA):
+    """`prompt_logprobs` of a packed prefill: its last layer output x [t, 1, dim] over its tokens [t] (t a multiple
+    of 64, prompts one after another) -> logprobs [t], top ids and logprobs [t, k], each position's as in a row (of
+    token j + 1 at position j: meaningless at a prompt's last token), 64 positions at a time."""
+    following = jnp.concatenate([tokens[1:], jnp.zeros_like(tokens[:1])])
+    out = _logprobs_of(params, x.reshape(-1, 64, x.shape[-1]), following.reshape(-1, 64), config, ops)
+    return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:]), out)
+
+
+def _logprobs_of(params, x, following, config: ModelConfig, ops: Ops):
+    """Per row of x [n, q, dim]: each position's log-probability of `following` [n, q] there, and the MAX_LOGPROBS
+    most likely tokens' ids and log-probabilities; one row at a time."""
+    k = min(MAX_LOGPROBS, config.vocab_size)
 
     def row(args):
         x, following = args

@@ -1,6 +1,7 @@
 """A prefill through the CPU kernels runs as one packed batch of its prompts' tokens over the slots' cache
-(`ModelRunner._packed_layers`): the same tokens and log-probabilities as prompts computed as padded rows over copies
-of their slots' rows, whatever the prompts share (a reused prefix, a step, a call), and the reference's."""
+(`ModelRunner._packed_layers`): the same tokens, log-probabilities and prompt log-probabilities as prompts computed
+as padded rows over copies of their slots' rows, whatever the prompts share (a reused prefix, a step, a call), and
+the reference's tokens."""
 
 import shutil
 
@@ -22,8 +23,16 @@ def _requests(seed: int) -> list[Request]:
     rng = np.random.default_rng(seed)
     shared = rng.integers(3, 131, size=37).tolist()
     prompts = random_prompts(6, seed) + [shared + p for p in random_prompts(6, seed + 1, max_len=20)]
-    params = lambda i: SamplingParams(max_tokens=4 + i % 5, temperature=0.0, top_logprobs=2)
+    params = lambda i: SamplingParams(
+        max_tokens=4 + i % 5, temperature=0.0, top_logprobs=2, prompt_logprobs=2 if i % 3 == 0 else None
+    )
     return [Request(i, p, params(i)) for i, p in enumerate(prompts)]
+
+
+def _prompt_logprobs(engine, request) -> list:
+    """The prompt's log-probabilities and top alternatives, the engine run on it alone."""
+    first = next(iter(engine.generate([request])))
+    return first.prompt_logprobs
 
 
 def _engine(config, params, slots: int) -> Engine:
@@ -45,7 +54,8 @@ def test_packed_prefill_matches_prompts_as_rows(cpu_kernels, monkeypatch, slots)
         kinds = {key[0] for key in engine.runner.programs._compiled}
         assert ("prefill_packed" in kinds) is packed and ("prefill_copy" in kinds) is packed
         logprobs = {i: [lp for u in engine.generate([r]) for lp in u.logprobs] for i, r in enumerate(_requests(3)[:3])}
-        got[packed] = tokens, logprobs, {i: u.cached_tokens for i, u in finals.items()}
+        prompts = {i: _prompt_logprobs(engine, r) for i, r in enumerate(_requests(3)) if r.params.prompt_logprobs}
+        got[packed] = tokens, logprobs, {i: u.cached_tokens for i, u in finals.items()}, prompts
     assert got[True] == got[False]
     assert sum(got[True][2].values()) > 0  # the shared prefix was reused
     for r in _requests(3):
