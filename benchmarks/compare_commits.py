@@ -7,7 +7,7 @@ BASE (and NEW, by default the working tree) are git revisions (e.g. `HEAD~3`, a 
 temporary worktree. Each version runs each job through `jaxllama run` with its own compilation cache: once cold
 (not counted: it fills the cache), then `rounds` times warm, the two versions alternating so that a machine whose
 speed drifts affects both alike. Prints each warm run's output tokens/s and the ratio of the medians (working tree
-over BASE).
+over BASE; of the inverse wall times for a job that generates nothing, such as scoring).
 """
 
 from __future__ import annotations
@@ -47,20 +47,25 @@ def main(base: str, *jobs: str, new: str | None = None, rounds: int = 2, options
                 subprocess.run(["git", "worktree", "add", "--detach", str(trees[name]), rev], cwd=REPO, check=True)
         try:
             for job in jobs:
-                runs = {name: [] for name in trees}
+                runs, walls = {name: [] for name in trees}, {name: [] for name in trees}
                 for name, tree in trees.items():  # cold: fills each version's cache
                     run_job(tree, tmp / f"cache-{name}", job, flags)
                 for i in range(rounds):
                     for name, tree in trees.items() if i % 2 == 0 else reversed(trees.items()):
                         stats = run_job(tree, tmp / f"cache-{name}", job, flags)
                         runs[name].append(stats["output_tokens_per_s"])
+                        walls[name].append(stats["wall_s"])
                         print(
                             f"{job.name} {name}: {stats['output_tokens_per_s']:.1f} output tok/s, "
                             f"wall {stats['wall_s']:.1f} s",
                             flush=True,
                         )
-                ratio = statistics.median(runs["new"]) / statistics.median(runs["base"])
-                print(f"{job.name}: {new or 'working tree'} / {base} = {ratio:.3f} (medians of {rounds} warm runs)")
+                if all(runs["base"]) and all(runs["new"]):
+                    ratio, of = statistics.median(runs["new"]) / statistics.median(runs["base"]), "output tok/s"
+                else:  # a job that generates nothing (scoring): its speed is the inverse of its wall time
+                    ratio, of = statistics.median(walls["base"]) / statistics.median(walls["new"]), "1 / wall"
+                label = f"{new or 'working tree'} / {base}"
+                print(f"{job.name}: {label} = {ratio:.3f} ({of}, medians of {rounds} warm runs)")
         finally:
             for tree in trees.values():
                 if tree != REPO:
