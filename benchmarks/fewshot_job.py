@@ -20,18 +20,31 @@ WORDS = (
 ).split()
 
 
+class Subjects:
+    """Text drawn from `rng`: questions (45 words and 4 options of 4, "Answer:" last) and `count` subjects' few-shot
+    contexts (`contexts`: an instruction of 160 words and 5 answered questions each)."""
+
+    def __init__(self, rng: random.Random, count: int):
+        self.rng = rng
+        self.contexts = [
+            f"You are an expert in subject {s}. {self.text(160)}\n\n"
+            + "\n\n".join(f"{self.question()} {rng.choice('ABCD')}" for _ in range(5))
+            for s in range(count)
+        ]
+
+    def text(self, n: int) -> str:
+        return " ".join(self.rng.choice(WORDS) for _ in range(n))
+
+    def question(self) -> str:
+        return f"Question: {self.text(45)}?\n" + "\n".join(f"{c}) {self.text(4)}" for c in "ABCD") + "\nAnswer:"
+
+
 def main(out: str, lines: int = 128, seed: int = 1, subjects: int = 4) -> None:
-    rng = random.Random(seed)
-    text = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))
-    question = lambda: f"Question: {text(45)}?\n" + "\n".join(f"{c}) {text(4)}" for c in "ABCD") + "\nAnswer:"
-    systems = [
-        f"You are an expert in subject {s}. {text(160)}\n\n"
-        + "\n\n".join(f"{question()} {rng.choice('ABCD')}" for _ in range(5))
-        for s in range(subjects)
-    ]
+    drawn = Subjects(random.Random(seed), subjects)
     with open(out, "w") as f:
         for i in range(lines):
-            messages = [{"role": "system", "content": systems[i % subjects]}, {"role": "user", "content": question()}]
+            system, question = drawn.contexts[i % subjects], drawn.question()
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
             f.write(json.dumps({"id": f"q{i}", "messages": messages, "max_tokens": 8, "temperature": 0}) + "\n")
 
 

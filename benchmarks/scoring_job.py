@@ -13,21 +13,14 @@ import random
 
 import fire
 
-from benchmarks.fewshot_job import WORDS
+from benchmarks.fewshot_job import Subjects
 
 
 def main(out: str, questions: int = 64, seed: int = 1, subjects: int = 4) -> None:
-    rng = random.Random(seed)
-    text = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))
-    question = lambda: f"Question: {text(45)}?\n" + "\n".join(f"{c}) {text(4)}" for c in "ABCD") + "\nAnswer:"
-    contexts = [
-        f"You are an expert in subject {s}. {text(160)}\n\n"
-        + "\n\n".join(f"{question()} {rng.choice('ABCD')}" for _ in range(5))
-        for s in range(subjects)
-    ]
+    drawn = Subjects(random.Random(seed), subjects)
     with open(out, "w") as f:
         for i in range(questions):
-            context = f"{contexts[i % subjects]}\n\n{question()}"
+            context = f"{drawn.contexts[i % subjects]}\n\n{drawn.question()}"
             for answer in "ABCD":
                 line = {
                     "id": f"q{i}{answer}",

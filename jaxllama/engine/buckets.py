@@ -46,10 +46,15 @@ def prompt_bucket(n: int, limit: int) -> int:
 PACKED_TOKENS = 8192
 
 
+# A packed prefill's token count is a multiple of this (`token_bucket`), so that its prompts' log-probabilities may
+# be taken this many positions at a time (`step.packed_prompt_logprobs`).
+PACKED_STEP = 64
+
+
 def token_bucket(n: int) -> int:
-    """Padded token count of a packed prefill (many prompts' tokens as one batch): a multiple of 64 up to 1024, then
-    of 256, so that padding wastes at most a fifth of a small prefill and little of a large one."""
-    step = 64 if n <= 1024 else 256
+    """Padded token count of a packed prefill (many prompts' tokens as one batch): a multiple of PACKED_STEP up to
+    1024, then of 4 x that, so that padding wastes at most a fifth of a small prefill and little of a large one."""
+    step = PACKED_STEP if n <= 1024 else 4 * PACKED_STEP
     return max(step, -(-n // step) * step)
 
 

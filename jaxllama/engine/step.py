@@ -29,6 +29,7 @@ from jaxllama.core import int8_kv
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import KVCache, embed, head, layers, rope_angles
 from jaxllama.core.ops import XLA, Ops
+from jaxllama.engine import buckets
 from jaxllama.engine.interface import LENGTH, RUNNING, STOPPED
 from jaxllama.engine.request import MAX_LOGPROBS
 from jaxllama.engine.sampling import SamplerFlags, SamplingRows, sample
@@ -264,10 +265,11 @@ def prompt_logprobs(params, x, tokens, *, config: ModelConfig, ops: Ops = XLA):
 
 def packed_prompt_logprobs(params, x, tokens, *, config: ModelConfig, ops: Ops = XLA):
     """`prompt_logprobs` of a packed prefill: its last layer output x [t, 1, dim] over its tokens [t] (t a multiple
-    of 64, prompts one after another) -> logprobs [t], top ids and logprobs [t, k], each position's as in a row (of
-    token j + 1 at position j: meaningless at a prompt's last token), 64 positions at a time."""
+    of PACKED_STEP, prompts one after another) -> logprobs [t], top ids and logprobs [t, k], each position's as in a
+    row (of token j + 1 at position j: meaningless at a prompt's last token), PACKED_STEP positions at a time."""
     following = jnp.concatenate([tokens[1:], jnp.zeros_like(tokens[:1])])
-    out = _logprobs_of(params, x.reshape(-1, 64, x.shape[-1]), following.reshape(-1, 64), config, ops)
+    step = buckets.PACKED_STEP
+    out = _logprobs_of(params, x.reshape(-1, step, x.shape[-1]), following.reshape(-1, step), config, ops)
     return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:]), out)
 
 
