@@ -30,7 +30,7 @@ import fire
 
 from benchmarks.measure import matmul_flops, memory_bandwidth, peak_rss
 from jaxllama.core.config import ModelConfig
-from jaxllama.engine.engine import DEFAULT_SLOTS
+from jaxllama.engine.buckets import DEFAULT_SLOTS
 
 REPO = Path(__file__).resolve().parents[1]
 
