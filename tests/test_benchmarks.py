@@ -6,7 +6,8 @@ import pathlib
 
 import pytest
 
-SCRIPTS = sorted(p.stem for p in (pathlib.Path(__file__).parents[1] / "benchmarks").glob("*.py") if p.stem != "__init__")
+FOLDER = pathlib.Path(__file__).parents[1] / "benchmarks"
+SCRIPTS = sorted(p.stem for p in FOLDER.glob("*.py") if p.stem != "__init__")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
