@@ -19,6 +19,7 @@ import os
 import socket
 import statistics
 import subprocess
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -127,7 +128,8 @@ def llamaserver(job: str, server: str, gguf: str | None = None, slots: int = 32,
     cmd = [server, "-m", str(gguf or default_gguf()), "-np", str(slots), "-c", str(slots * ctx_per_slot)]
     cmd += ["--cont-batching", "-t", str(os.cpu_count() or 1), "--host", "127.0.0.1", "--port", str(port)]
     begin = time.perf_counter()
-    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tempfile.TemporaryFile("w+")  # its last lines are shown if it fails
+    child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=url, timeout=3600) as client:
@@ -168,9 +170,14 @@ def llamaserver(job: str, server: str, gguf: str | None = None, slots: int = 32,
             with ThreadPoolExecutor(max_workers=len(rows)) as pool:
                 results = list(pool.map(one, ordered))
             wall = time.perf_counter() - start
+    except BaseException:
+        log.seek(0)
+        print("".join(log.readlines()[-20:]), end="", flush=True)
+        raise
     finally:
         child.terminate()
         child.wait(30)
+        log.close()
     tokens = sum(t for t, _ in results)
     _report(rows, tokens, wall, [ms for _, ms in results], load_s=load_s, first_token_s=first_token_s)
 
