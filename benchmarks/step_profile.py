@@ -6,7 +6,7 @@
 
 Runs the engine on the default model (SmolLM2-135M-Instruct, float32) over random prompts, or over a job's
 chat requests (chat template applied, each line's max_tokens, greedy, longest first as `jaxllama run` runs
-them), twice: once to compile, once timed, with every program call waited for (so the sum is a little above an
+them), twice: once to compile, once timed (the first run's prompts forgotten: every prompt computed again), with every program call waited for (so the sum is a little above an
 unsynchronized run's wall time). Prints, for each kind of program (`engine/step.py`; layer programs by rows x
 tokens and the positions they attend over: the cache's length in a decode, the span in a prefill), its calls,
 total seconds and milliseconds per call in the timed run, and its compile seconds in the first run. `--layers`:
@@ -101,6 +101,7 @@ def main(
     compiles = dict(timed.compiles)
     timed.times.clear()
     timed.calls.clear()
+    engine.scheduler.prefixes.truncate(0)  # the timed run computes every prompt, as a fresh process would
     start = time.perf_counter()
     for _ in engine.generate(job_requests()):
         pass

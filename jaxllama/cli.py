@@ -451,7 +451,8 @@ FLAG_HELP = {
     "dtype": "float32, bfloat16 or float16 to convert every weight to it while loading (blocks dequantized); default: "
     "the weights as the checkpoint stores them.",
     "kv_cache_dtype": "float16 or bfloat16 keeps the KV cache in 16 bits, int8 (XLA's path: accelerators, a CPU mesh) "
-    "in 8 with a scale per vector; auto (default): the weights' dtype.",
+    "in 8 with a scale per vector, float32 exactly; auto (default): float16 on a CPU's kernels for float32 "
+    "weights, else the weights' dtype.",
 }
 
 # How --help and the README write the value of an argument without a default (one with a default shows it).

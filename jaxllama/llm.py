@@ -132,7 +132,8 @@ class LLM:
         'int8', on XLA's path (accelerators, a CPU mesh), int8 weights with a scale per output channel;
         `logits` and `forward` run on the same weights. `kv_cache_dtype`: 'float16' or 'bfloat16' keeps the
         KV cache in 16 bits (half the bytes attention reads), 'int8' in 8 with a scale per cached vector (XLA's path:
-        accelerators, a CPU mesh), 'float32', or None for the weights' dtype.
+        accelerators, a CPU mesh), 'float32', or None for the backend's choice (float16 on the CPU kernels where the
+        weights compute in float32, else the weights' dtype).
         `compilation_cache`: keep compiled programs on disk (`runtime.enable_compilation_cache`); `keep_prepared`:
         keep the weights prepared for the CPU kernels there too, so that loading this model again maps them from a
         file in a fraction of a second (`engine/prepared.py`; one more copy of the weights on disk; default: yes,

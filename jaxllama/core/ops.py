@@ -160,6 +160,11 @@ class Ops:
             return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
         return jnp.einsum(spec, a, b).astype(jnp.float32)
 
+    def cache_dtype(self, activations):
+        """The KV cache's dtype where none is asked for: the activations' (XLA's attention reads its cache in the
+        dtype it computes in)."""
+        return activations
+
     def page_size(self, cache_dtype) -> int:
         """Positions per page of the KV cache this backend reads fastest in `cache_dtype`, 0 for a contiguous cache.
         XLA's reads a paged cache by a gather of every page of the table's width: contiguous by default, paged only

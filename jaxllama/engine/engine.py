@@ -65,7 +65,7 @@ class Engine:
         self.ops = ops or backends.choose(mesh, form, kernel_dir(), cpu_kernels=cpu_kernels, quantize=quantize)
         stats.compile_s += time.perf_counter() - start
         data, platform = mesh.shape["data"], mesh.devices.flat[0].platform
-        cache_dtype = kvcache.dtype(options.kv_cache_dtype, dtype)
+        cache_dtype = kvcache.dtype(options.kv_cache_dtype, self.ops.cache_dtype(dtype))
         page_size = self.ops.page_size(cache_dtype) if data == 1 else 0
         self.options = options.resolved(config.max_seq_len, data, platform, cache_dtype, page_size)
         eos_ids = sorted(set(int(i) for i in eos_ids))

@@ -32,7 +32,8 @@ class EngineOptions:
     max_context: positions per slot (at most the model's; None: the model's, or on an accelerator what fits).
     decode_steps: tokens per decode call, with no host round trip between them.
     quantize: int8 weights made at load (`backends.QUANTIZATIONS`); None: the weights as stored.
-    kv_cache_dtype: the KV cache's dtype by name (`kvcache.DTYPES`); None: the weights'.
+    kv_cache_dtype: the KV cache's dtype by name (`kvcache.DTYPES`); None: the backend's choice
+      (`Ops.cache_dtype`: float16 on the CPU kernels for float32 weights, else the weights').
     page_size: the KV cache's positions per page, 0 for a contiguous cache; None: the backend's (`Ops.page_size`:
       paged where a kernel reads the pages, on a TPU or GPU mesh of data=1).
     layers_per_program: decoder layers per compiled program.

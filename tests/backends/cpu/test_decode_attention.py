@@ -92,8 +92,21 @@ def test_prompt_rows_are_computed_as_one_at_a_time(kernel, groups, head_dim, len
     assert not together[24].any()  # the padding row
 
 
+def test_the_kernels_cache_is_float16_unless_asked(kernel):
+    """Where no dtype is asked for, the kernels keep float32 activations' cache in float16 (XLA keeps their dtype);
+    one asked for is kept."""
+    config = tiny_config()
+    params = spread_params(config, seed=3)
+    mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
+    for use, asked, want in [(True, None, "float16"), (True, "float32", "float32"), (False, None, "float32")]:
+        engine = Engine(config, params, mesh, eos_ids=[], max_slots=2, cpu_kernels=use, kv_cache_dtype=asked)
+        assert isinstance(engine.ops, CpuOps) is use
+        assert engine.options.kv_cache_dtype == want
+    assert CpuOps().cache_dtype(jnp.bfloat16) == jnp.bfloat16
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_cache_dtype", [None, "float16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
 def test_engine_with_and_without_the_kernel_agree(kernel, kv_cache_dtype):
     """Prefills and decode steps attend through the kernel or XLA over the same cache (float32, or float16)."""
     config = tiny_config()  # the engine tests' model, whose random initializer the session compiles once
@@ -103,7 +116,7 @@ def test_engine_with_and_without_the_kernel_agree(kernel, kv_cache_dtype):
     for use in (True, False):
         mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
         engine = Engine(config, params, mesh, eos_ids=[], max_slots=8, cpu_kernels=use, kv_cache_dtype=kv_cache_dtype)
-        assert engine.runner.cache[0][0].dtype == (jnp.float16 if kv_cache_dtype else jnp.float32)
+        assert engine.runner.cache[0][0].dtype == jnp.dtype(kv_cache_dtype)
         requests = [Request(i, p, SamplingParams(max_tokens=6 + i, temperature=0.0)) for i, p in enumerate(prompts)]
         out = {i: [] for i in range(len(prompts))}
         for update in engine.generate(requests):
