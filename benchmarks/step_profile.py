@@ -4,13 +4,13 @@
     python -m benchmarks.step_profile --job JOB.jsonl [--slots 64] [--layers 5] [--quantize w8a8|q8_0]
                                       [--kv-cache-dtype float16]
 
-Runs the engine on the default model (SmolLM2-135M-Instruct, float32) over random prompts, or over a job's
-chat requests (chat template applied, each line's max_tokens, greedy, longest first as `jaxllama run` runs
-them), twice: once to compile, once timed (the first run's prompts forgotten: every prompt computed again), with every program call waited for (so the sum is a little above an
-unsynchronized run's wall time). Prints, for each kind of program (`engine/step.py`; layer programs by rows x
-tokens and the positions they attend over: the cache's length in a decode, the span in a prefill), its calls,
-total seconds and milliseconds per call in the timed run, and its compile seconds in the first run. `--layers`:
-decoder layers per compiled program.
+Runs the engine on the default model (SmolLM2-135M-Instruct, float32) over random prompts, or over a job's chat
+requests (chat template applied, each line's max_tokens, greedy, longest first as `jaxllama run` runs them), twice:
+once to compile, once timed (the first run's prompts forgotten: every prompt computed again), with every program
+call waited for (so the sum is a little above an unsynchronized run's wall time). Prints, for each kind of program
+(`engine/step.py`; layer programs by rows x tokens and the positions they attend over: the cache's length in a
+decode, the span in a prefill), its calls, total seconds and milliseconds per call in the timed run, and its compile
+seconds in the first run. `--layers`: decoder layers per compiled program.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from FLAG_HELP where several commands share it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -173,6 +174,7 @@ def run(
     """
     from pathlib import Path
 
+    from jaxllama.batch.jobs import count_lines
     from jaxllama.batch.lock import OutputLock
     from jaxllama.batch.runner import JobInterrupted, default_output, print_summary, run_job
     from jaxllama.batch.settings import SettingsChanged, check_settings, job_settings
@@ -189,6 +191,9 @@ def run(
         options.update(kv_cache_dtype=kv_cache_dtype, max_context=max_context)
         settings = job_settings(model, defaults, _stops(stop), system_prompt, **options)
         engine_options = _engine_options(max_batch, max_context, decode_steps, quantize, kv_cache_dtype)
+        # No more slots than the job has lines: a slot's KV cache is allocated whether or not a line uses it.
+        slots = min(engine_options.max_slots, max(1, count_lines(job_path)))
+        engine_options = dataclasses.replace(engine_options, max_slots=slots)
         out_path = Path(output) if output else default_output(job_path)
         initialize_distributed(coordinator, num_processes, process_id)
         # Before the model loads, held until the process ends: one writer per output (process 0 writes it).

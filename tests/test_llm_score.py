@@ -30,8 +30,13 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 @pytest.mark.slow
 def test_smollm2_prompt_logprobs_equal_transformers(smollm2_float32_checkpoint, transformers_smollm2):
-    llm = LLM.load(
-        smollm2_float32_checkpoint, mesh="data=1,model=1", max_slots=4, max_context=64, compilation_cache=False
+    llm = LLM.load(  # a float32 cache, as transformers keeps
+        smollm2_float32_checkpoint,
+        mesh="data=1,model=1",
+        max_slots=4,
+        max_context=64,
+        kv_cache_dtype="float32",
+        compilation_cache=False,
     )
     results = llm.generate(TEXTS, max_tokens=0, prompt_logprobs=3, temperature=0)
     for text, result in zip(TEXTS, results, strict=True):

@@ -49,6 +49,11 @@ def read_job(job: Path) -> list[JobLine]:
     return [line for number, raw in enumerate(split_lines(data), start=1) if (line := read_bytes(raw, number))]
 
 
+def count_lines(job: Path) -> int:
+    """The job's lines that are not blank (OSError if the file cannot be read)."""
+    return sum(1 for raw in split_lines(job.read_bytes()) if raw.strip())
+
+
 def split_lines(data: bytes) -> list[bytes]:
     """JSONL lines: they end at "\\n" only (U+2028, U+2029, U+0085 and a bare CR are legal inside JSON strings);
     a "\\r" before the "\\n" and a UTF-8 byte order mark at the start are no part of a line."""

@@ -106,6 +106,8 @@ def test_every_shape_in_order_with_error_records(tiny_chat, tmp_path):
     assert oa_bad["response"]["status_code"] == 400 and "embeddings" in oa_bad["response"]["body"]["error"]["message"]
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["ok"] == 5 and stats["failed"] == 6 and stats["completion_tokens"] > 0
+    # a slot per line (rounded up to a multiple of the mesh's data axis), not --max-batch's 64: each is allocated
+    assert 11 <= stats["slots"] < 64
     assert "requests: 5 ok, 6 failed" in proc.stderr
 
 

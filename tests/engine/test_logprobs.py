@@ -32,7 +32,9 @@ def log_softmax(config, params, tokens) -> np.ndarray:
 @pytest.fixture(scope="module")
 def engine(tiny):
     config, params = tiny
-    return Engine(config, params, make_mesh(config, "data=1,model=1"), eos_ids=[2], max_slots=8)
+    # A float32 cache, as the forward pass keeps (the CPU kernels' own default is float16)
+    mesh = make_mesh(config, "data=1,model=1")
+    return Engine(config, params, mesh, eos_ids=[2], max_slots=8, kv_cache_dtype="float32")
 
 
 def scoring_prompts(seed=0):
