@@ -33,6 +33,13 @@ def _rows(job: str) -> list[dict]:
     return [json.loads(line) for line in Path(job).read_text().splitlines() if line.strip()]
 
 
+def _context_for(rows: list[dict]) -> int:
+    """A slot's context that holds every line: 1024 positions, or the power of two above the longest line's bound
+    (its messages' characters / 2, more than its tokens in any English text and chat template, plus max_tokens)."""
+    longest = max(len(json.dumps(r["messages"])) // 2 + r.get("max_tokens", 64) for r in rows)
+    return max(1024, 1 << (longest - 1).bit_length())
+
+
 def _report(rows, tokens: int, wall: float, ttfts: list[float], **extra) -> None:
     print(
         json.dumps(
@@ -112,19 +119,23 @@ def llamacpp(job: str) -> None:
     _report(rows, tokens, time.time() - start, ttfts)
 
 
-def llamaserver(job: str, server: str, gguf: str | None = None, slots: int = 32, ctx_per_slot: int = 1024) -> None:
+def llamaserver(
+    job: str, server: str, gguf: str | None = None, slots: int = 32, ctx_per_slot: int | None = None
+) -> None:
     """llama.cpp's own server (`llama-server -np SLOTS --cont-batching`): its parallel slots and continuous batching
     are how llama.cpp runs many requests. Loaded and warmed with one request (the job's first line, for one token),
     then sent every line of the job at once, longest max_tokens first as `jaxllama run` orders them, streamed so that
     each first token is timed. llama.cpp spin-waits between steps: measure it on an otherwise idle machine. load_s:
     start to health check passed; first_token_s: start to the answer of that first request (what a one-token
-    `jaxllama run` of the first line takes, start to exit)."""
+    `jaxllama run` of the first line takes, start to exit). `ctx_per_slot`: each slot's context (default: enough for the
+    job's longest line, `_context_for`)."""
     import httpx
 
     rows = _rows(job)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    ctx_per_slot = ctx_per_slot or _context_for(rows)
     cmd = [server, "-m", str(gguf or default_gguf()), "-np", str(slots), "-c", str(slots * ctx_per_slot)]
     cmd += ["--cont-batching", "-t", str(os.cpu_count() or 1), "--host", "127.0.0.1", "--port", str(port)]
     begin = time.perf_counter()
