@@ -19,6 +19,7 @@ import os
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -124,8 +125,9 @@ def llamaserver(
 ) -> None:
     """llama.cpp's own server (`llama-server -np SLOTS --cont-batching`): its parallel slots and continuous batching
     are how llama.cpp runs many requests. Loaded and warmed with one request (the job's first line, for one token),
-    then sent every line of the job at once, longest max_tokens first as `jaxllama run` orders them, streamed so that
-    each first token is timed. llama.cpp spin-waits between steps: measure it on an otherwise idle machine. load_s:
+    then sent the job's lines, longest max_tokens first as `jaxllama run` orders them, as many at a time as it has slots
+    (each line sent as one ends; a connection left waiting in its queue was dropped, at 128 lines), streamed so that
+    each first token is timed from the job's start. llama.cpp spin-waits between steps: measure it on an otherwise idle machine. load_s:
     start to health check passed; first_token_s: start to the answer of that first request (what a one-token
     `jaxllama run` of the first line takes, start to exit). `ctx_per_slot`: each slot's context (default: enough for the
     job's longest line, `_context_for`)."""
@@ -178,12 +180,12 @@ def llamaserver(
 
             ordered = sorted(rows, key=lambda r: -r.get("max_tokens", 64))
             start = time.perf_counter()
-            with ThreadPoolExecutor(max_workers=len(rows)) as pool:
+            with ThreadPoolExecutor(max_workers=min(slots, len(rows))) as pool:
                 results = list(pool.map(one, ordered))
             wall = time.perf_counter() - start
     except BaseException:
         log.seek(0)
-        print("".join(log.readlines()[-20:]), end="", flush=True)
+        print("".join(log.readlines()[-20:]), end="", file=sys.stderr, flush=True)
         raise
     finally:
         child.terminate()
