@@ -123,14 +123,14 @@ def llamacpp(job: str) -> None:
 def llamaserver(
     job: str, server: str, gguf: str | None = None, slots: int = 32, ctx_per_slot: int | None = None
 ) -> None:
-    """llama.cpp's own server (`llama-server -np SLOTS --cont-batching`): its parallel slots and continuous batching
-    are how llama.cpp runs many requests. Loaded and warmed with one request (the job's first line, for one token),
-    then sent the job's lines, longest max_tokens first as `jaxllama run` orders them, as many at a time as it has slots
+    """llama.cpp's own server (`llama-server -np SLOTS --cont-batching`): its parallel slots and continuous batching are
+    how llama.cpp runs many requests. Loaded and warmed with one request (the job's first line, for one token), then
+    sent the job's lines, longest max_tokens first as `jaxllama run` orders them, as many at a time as it has slots
     (each line sent as one ends; a connection left waiting in its queue was dropped, at 128 lines), streamed so that
-    each first token is timed from the job's start. llama.cpp spin-waits between steps: measure it on an otherwise idle machine. load_s:
-    start to health check passed; first_token_s: start to the answer of that first request (what a one-token
-    `jaxllama run` of the first line takes, start to exit). `ctx_per_slot`: each slot's context (default: enough for the
-    job's longest line, `_context_for`)."""
+    each first token is timed from the job's start. llama.cpp spin-waits between steps: measure it on an otherwise
+    idle machine. load_s: start to health check passed; first_token_s: start to the answer of that first request
+    (what a one-token `jaxllama run` of the first line takes, start to exit). `ctx_per_slot`: each slot's context
+    (default: enough for the job's longest line, `_context_for`)."""
     import httpx
 
     rows = _rows(job)
