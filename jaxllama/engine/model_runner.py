@@ -441,7 +441,6 @@ class _PrefillBatch:
         span = q if fresh else buckets.bucket(max(r.start + q for r in rows), device.max_context)
         n = buckets.round_up(buckets.pow2(len(rows)), device.mesh.shape["data"])
         a = dict(
-            tokens=np.zeros((n, q), np.int32),
             starts=np.zeros(n, np.int32),
             lengths=np.ones(n, np.int32),
             sources=np.full(n, device.slots, np.int32),
@@ -450,7 +449,6 @@ class _PrefillBatch:
         )
         params, seeds = [], []
         for i, r in enumerate(rows):
-            a["tokens"][i, : len(r.tokens)] = r.tokens
             a["lengths"][i], a["starts"][i], a["sources"][i], a["slots"][i] = len(r.tokens), r.start, r.source, r.slot
             eos = () if r.request.params.ignore_eos else device.eos_ids
             ids = sorted(set(eos) | set(r.request.params.stop_token_ids))
@@ -472,6 +470,9 @@ class _PrefillBatch:
         if device.packs_prompts:
             span = _pack(rows, a, device)
             return _PrefillBatch(a, flags, span, fresh, prompt_logprobs, packed=True)
+        a["tokens"] = np.zeros((n, q), np.int32)  # the prompts, each padded to the bucket
+        for i, r in enumerate(rows):
+            a["tokens"][i, : len(r.tokens)] = r.tokens
         return _PrefillBatch(a, flags, span, fresh, prompt_logprobs)
 
 
