@@ -126,7 +126,38 @@ def put_rows(cache: KVCache, new: KVCache, rows, span: int, layout: CacheLayout)
     ]
 
 
-def copy_rows(cache: KVCache, sources, rows, span: int, layout: CacheLayout) -> KVCache:
-    """The cache with the first `span` positions of rows `rows` copied from rows `sources` (an index past the last
-    row writes nothing): reused prefixes, before a packed prefill computes the rest of the prompts in place."""
-    return put_rows(cache, take_rows(cache, sources, span, layout), rows, span, layout)
+# Positions `copy_rows` moves at a time: each pair copies its length rounded up to this, not the cache's whole
+# length, in a loop whose count is data (so one program serves every length).
+COPY_CHUNK = 256
+
+
+def copy_rows(cache: KVCache, sources, rows, lengths, layout: CacheLayout) -> KVCache:
+    """The cache with the first `lengths[i]` positions (rounded up to COPY_CHUNK, or the whole cache where shorter)
+    of row `rows[i]` copied from row `sources[i]`: reused prefixes, before a packed prefill computes the rest of the
+    prompts in place. The pairs run one after another, in place, holding no more than one chunk of one row aside (a
+    gather of every pair's rows would hold as many bytes as it copies), so a row copied into must not be one a later
+    pair copies from; the pairs end at the first whose row is out of range."""
+    positions = length(cache)
+    step = min(COPY_CHUNK, positions)
+    n = jnp.argmin(jnp.append(rows < cache[0][1].shape[0], False))  # the pairs before the first out of range
+
+    def chunk(x, axis: int, source, row, at):
+        size = tuple(1 if i == 0 else step if i == axis else d for i, d in enumerate(x.shape))
+        start = tuple(source if i == 0 else at if i == axis else 0 for i in range(x.ndim))
+        piece = jax.lax.dynamic_slice(x, start, size)
+        return jax.lax.dynamic_update_slice(x, piece, (row,) + start[1:])
+
+    def pair(i, cache):
+        def piece(c, cache):
+            at = jnp.minimum(c * step, positions - step)
+            return [
+                tuple(
+                    jax.tree.map(lambda x, a=axis: chunk(x, a, sources[i], rows[i], at), kv)
+                    for kv, axis in zip(layer, layout.length_axis, strict=True)
+                )
+                for layer in cache
+            ]
+
+        return jax.lax.fori_loop(0, (lengths[i] + step - 1) // step, piece, cache)
+
+    return jax.lax.fori_loop(0, n, pair, cache)

@@ -202,7 +202,7 @@ class ModelRunner:
         batch = _PrefillBatch.of(rows, self, masked=masks is not None)
         inputs = self._put(batch.arrays)
         if batch.packed:
-            x = self._packed_layers(inputs, batch.span)
+            x = self._packed_layers(inputs, batch.copies)
             last = (step.packed_last, (x, inputs["last"]))
             firsts = batch.arrays["last"][: len(rows)] - [len(r.tokens) - 1 for r in rows]
             tokens = inputs["packed_tokens"]
@@ -336,15 +336,15 @@ class ModelRunner:
             x, self.cache[a:b] = self._call(kind, fn, args, ("paged", fresh), donate=4, out=out)
         return x
 
-    def _packed_layers(self, inputs, span: int):
+    def _packed_layers(self, inputs, copies: bool):
         """Every layer of a packed prefill over the slots' cache in place: the reused prefixes copied into the slots
-        that reuse another's (the first `span` positions of `copy_from` into `copy_to`), then every prompt token as a
+        that reuse another's (`kvcache.copy_rows`, where there are `copies`), then every prompt token as a
         row of one batch that writes and attends to its slot's row, as a decode step's rows do."""
-        if span:
-            copy = functools.partial(kvcache.copy_rows, span=span, layout=self.layout)
+        if copies:
+            copy = functools.partial(kvcache.copy_rows, layout=self.layout)
             caches = [self._cache_sharding] * len(self.cache)
-            args = (self.cache, inputs["copy_from"], inputs["copy_to"])
-            self.cache = self._call("prefill_copy", copy, args, span, 0, caches)
+            args = (self.cache, inputs["copy_from"], inputs["copy_to"], inputs["copy_lengths"])
+            self.cache = self._call("prefill_copy", copy, args, None, 0, caches)
         fn = functools.partial(step.prefill_inputs, config=self.config)
         args = (self._outer, inputs["packed_tokens"][:, None], inputs["packed_positions"])
         x, positions, rope = self._call("prefill_inputs", fn, args)
@@ -425,10 +425,11 @@ class _PrefillBatch:
 
     arrays: dict
     flags: SamplerFlags
-    span: int  # cache positions each row reads and writes; packed: the reused prefixes' copied (0: none)
+    span: int  # cache positions each row reads and writes (the rows' path)
     fresh: bool  # no row starts from a stored prefix
     prompt_logprobs: bool  # some row asks for its prompt's log-probabilities
     packed: bool = False  # the prompts' tokens as one batch over the slots' cache (`ModelRunner._packed_layers`)
+    copies: bool = False  # packed: some row copies a reused prefix from another slot first
 
     # prefill_outputs' arguments after (params, state, x), by name in `arrays`.
     OUTPUT_ARGS = ("starts", "lengths", "slots", "seen", "sampling", "max_tokens", "limits", "stop_ids", "mask")
@@ -468,19 +469,20 @@ class _PrefillBatch:
                 a["seen"][i, r.request.prompt] = True
         prompt_logprobs = any(r.request.params.prompt_logprobs is not None for r in rows)
         if device.packs_prompts:
-            span = _pack(rows, a, device)
-            return _PrefillBatch(a, flags, span, fresh, prompt_logprobs, packed=True)
+            copies = _pack(rows, a, device)
+            return _PrefillBatch(a, flags, 0, fresh, prompt_logprobs, packed=True, copies=copies)
         a["tokens"] = np.zeros((n, q), np.int32)  # the prompts, each padded to the bucket
         for i, r in enumerate(rows):
             a["tokens"][i, : len(r.tokens)] = r.tokens
         return _PrefillBatch(a, flags, span, fresh, prompt_logprobs)
 
 
-def _pack(rows: Sequence[PrefillRow], a: dict, device: ModelRunner) -> int:
+def _pack(rows: Sequence[PrefillRow], a: dict, device: ModelRunner) -> bool:
     """Adds to a prefill's arrays `a` its prompts' tokens as one batch, padded to a `buckets.token_bucket`:
     packed_tokens, packed_positions and packed_slots (padding tokens land nowhere), each row's last token's index
-    (`last`), and the reused prefixes to copy, from the slot `copy_from` into `copy_to` (a power of two of them, the
-    padding out of range: only rows reusing another slot's prefix copy). Returns the positions to copy (0: none)."""
+    (`last`), and the reused prefixes to copy: `copy_lengths` positions from the slot `copy_from` into `copy_to` (one
+    entry per slot, those past the copies out of range: only rows reusing another slot's prefix copy). Returns
+    whether there are any."""
     n = buckets.token_bucket(sum(len(r.tokens) for r in rows))
     tokens, positions = np.zeros(n, np.int32), np.zeros(n, np.int32)
     slots = np.full(n, device.slots, np.int32)
@@ -494,13 +496,13 @@ def _pack(rows: Sequence[PrefillRow], a: dict, device: ModelRunner) -> int:
         a["last"][i] = at - 1
     a.update(packed_tokens=tokens, packed_positions=positions, packed_slots=slots)
     copies = [r for r in rows if r.start and r.source != r.slot]
-    m = buckets.pow2(max(1, len(copies)))
-    a["copy_from"], a["copy_to"] = np.full(m, device.slots, np.int32), np.full(m, device.slots, np.int32)
+    if {r.slot for r in copies} & {r.source for r in copies}:  # `kvcache.copy_rows` copies one pair after another
+        raise ValueError("a packed prefill copies a prefix out of a slot it also copies one into")
+    none = np.full(device.slots, device.slots, np.int32)  # out of range: no pair
+    a["copy_from"], a["copy_to"], a["copy_lengths"] = none, none.copy(), np.zeros(device.slots, np.int32)
     for i, r in enumerate(copies):
-        a["copy_from"][i], a["copy_to"][i] = r.source, r.slot
-    if not copies:
-        return 0
-    return min(buckets.bucket(max(r.start for r in copies), device.max_context), device.cache_length)
+        a["copy_from"][i], a["copy_to"][i], a["copy_lengths"][i] = r.source, r.slot, r.start
+    return bool(copies)
 
 
 def _padded_masks(masks: np.ndarray, out: np.ndarray) -> np.ndarray:

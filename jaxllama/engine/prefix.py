@@ -15,7 +15,6 @@ Plain Python over token lists: every process of a multi-host run makes the same 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection, Sequence
 
 import numpy as np
@@ -88,19 +87,35 @@ class ResidentPrefixes:
         return (busy, n) if busy is not None else (None, 0)
 
 
-def shared_prefixes(prompts: Sequence[Sequence[int]], min_length: int = 16) -> list[tuple[list[int], int]]:
-    """Groups of prompts (indices, prefix length) that share a prefix of at least `min_length` tokens,
-    shorter than each of them: computing it once for the group pays."""
-    by_head: dict[tuple[int, ...], list[int]] = {}
-    for i, p in enumerate(prompts):
-        if len(p) > min_length:
-            by_head.setdefault(tuple(p[:min_length]), []).append(i)
-    groups = []
-    for members in by_head.values():
-        if len(members) < 2:
-            continue
-        n = len(os.path.commonprefix([list(prompts[i]) for i in members]))
-        n = min(n, min(len(prompts[i]) for i in members) - 1)
-        if n >= min_length:
-            groups.append((members, n))
-    return groups
+def shared_prefixes(prompts: Sequence[Sequence[int]], min_length: int = 16) -> list[list[tuple[list[int], int]]]:
+    """Groups of prompts (indices, prefix length) that share a prefix of at least `min_length` tokens, shorter than
+    each of them, so that computing it once for the group pays; nested, as the prompts' tree of common prefixes is:
+    a group's members that share a prefix at least `min_length` tokens longer (the 4 answers to one question of a
+    few-shot context) form a group of their own. Returned by depth: each group of level i + 1 lies within one of
+    level i, so a level's prefixes can be computed from the one before."""
+    arrays = [np.asarray(p, np.int32) for p in prompts]
+    levels: list[list[tuple[list[int], int]]] = []
+
+    def split(members: list[int], depth: int, base: int, level: int) -> None:
+        """`members` share their first `depth` tokens; `base`: the prefix their enclosing group computes."""
+        by_next: dict[int, list[int]] = {}
+        for i in members:
+            if len(arrays[i]) > depth + 1:  # a prefix stops short of each prompt's last token
+                by_next.setdefault(int(arrays[i][depth]), []).append(i)
+        for group in by_next.values():
+            if len(group) < 2:
+                continue
+            shortest = min(len(arrays[i]) for i in group)
+            rows = np.stack([arrays[i][:shortest] for i in group])
+            differ = np.flatnonzero((rows != rows[0]).any(axis=0))
+            n = min(int(differ[0]) if len(differ) else shortest, shortest - 1)
+            if n - base >= min_length:
+                if len(levels) == level:
+                    levels.append([])
+                levels[level].append((group, n))
+                split(group, n, n, level + 1)
+            elif n > depth:
+                split(group, n, base, level)
+
+    split(list(range(len(prompts))), 0, 0, 0)
+    return levels

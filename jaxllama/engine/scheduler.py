@@ -166,13 +166,12 @@ class Scheduler:
                 calls[buckets.prompt_bucket(n, self.max_context), 0].append(r)
         updates = []
         for _, group in sorted(calls.items()):
-            rows = []
+            # Sources are chosen just before each call: the cache then holds what `prefixes` says.
+            rows, call = [], self._call([(r.prompt, _wants_prompt_logprobs(r)) for r in group])
             for r in group:
-                # Sources are chosen just before each call: the cache then holds what `prefixes` says.
-                source, start = self.prefixes.best(r.prompt, logprobs=_wants_prompt_logprobs(r), free=free)
-                slot = source if source in free else min(free, key=lambda i: len(self.prefixes.tokens[i]))
+                source, start, slot = self._place(r.prompt, _wants_prompt_logprobs(r), free, call)
                 free.remove(slot)
-                rows.append(PrefillRow(r, r.prompt[start:], start, source if source is not None else slot, slot))
+                rows.append(PrefillRow(r, r.prompt[start:], start, source, slot))
             updates += self._prefill(rows)
         return updates
 
@@ -186,20 +185,50 @@ class Scheduler:
         return sorted(take, key=lambda r: -r.priority)
 
     def _compute_shared_prefixes(self, requests: list[Request], free: list[int]) -> None:
-        """Prompts admitted together that share a prefix no slot holds: compute it once, into a free slot
-        that the first of them will then take."""
-        rows = []
-        for members, n in shared_prefixes([r.prompt for r in requests]):
-            # Where a member wants its prompt's log-probabilities, the prefix's are computed with it and kept.
-            logprobs = any(_wants_prompt_logprobs(requests[i]) for i in members)
-            if self.prefixes.best(requests[members[0]].prompt, logprobs=logprobs)[1] >= n or len(rows) == len(free):
-                continue
-            slot = sorted(free, key=lambda i: len(self.prefixes.tokens[i]))[len(rows)]
-            prefix = requests[members[0]].prompt[:n]
-            params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0 if logprobs else None)
-            rows.append(PrefillRow(Request(None, prefix, params), prefix, 0, slot, slot))
-        if rows:
-            self._prefill(rows, sample=False)
+        """Prompts admitted together that share a prefix no slot holds: compute it once, into a free slot that one
+        of them will then take. Nested prefixes (a few-shot context, then each question's 4 answers) a level at a
+        time, each level's rows starting from the slots the level before filled."""
+        for level in shared_prefixes([r.prompt for r in requests]):
+            # Where a member wants its prompt's log-probabilities, the prefix's are computed with it and kept: the
+            # members then reuse all but its last token, whose log-probability is not the one they need.
+            wanted = []
+            for members, n in level:
+                prompt = requests[members[0]].prompt
+                logprobs = any(_wants_prompt_logprobs(requests[i]) for i in members)
+                if self.prefixes.best(prompt, logprobs=logprobs)[1] < n - logprobs:  # not held
+                    wanted.append((prompt[:n], logprobs))
+            rows: list[PrefillRow] = []
+            idle, call = list(free), self._call(wanted)
+            for prefix, logprobs in wanted[: len(free)]:
+                source, start, slot = self._place(prefix, logprobs, idle, call)
+                idle.remove(slot)
+                params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0 if logprobs else None)
+                rows.append(PrefillRow(Request(None, prefix, params), prefix[start:], start, source, slot))
+            if rows:
+                self._prefill(rows, sample=False)
+
+    def _call(self, prompts: list[tuple[list[int], bool]]) -> _Call:
+        """A prefill call about to place rows for these (prompt, wants its log-probabilities)."""
+        return _Call({self.prefixes.best(p, logprobs=logprobs)[0] for p, logprobs in prompts})
+
+    def _place(self, prompt: list[int], logprobs: bool, free: list[int], call: _Call) -> tuple[int, int, int]:
+        """(source, start, slot) of a prompt in the coming prefill call: the slot holding its longest prefix
+        (`prefixes.best`; `logprobs`: with their log-probabilities) and the free slot it is computed in: that one
+        where it is free, else the free one holding the least, sparing those the call's prompts reuse. A call's
+        prefixes are copied one after another (`kvcache.copy_rows`), so a slot it copies into is not one it copies
+        out of: where no free slot is left for the copy, the prompt is computed from its first token."""
+        spare = lambda i: (i in call.reused, len(self.prefixes.tokens[i]))
+        source, start = self.prefixes.best(prompt, frozenset(call.into), logprobs, free)
+        if source in free:
+            return source, start, source
+        targets = [i for i in free if i not in call.out_of]
+        if source is None or not targets:
+            slot = min(free, key=spare)
+            return slot, 0, slot
+        slot = min(targets, key=spare)
+        call.into.add(slot)
+        call.out_of.add(source)
+        return source, start, slot
 
     def _prefill(self, rows: list[PrefillRow], sample: bool = True) -> list[Update]:
         """Compute the rows and start them decoding; without `sample`, only fill the caches (a shared prefix)."""
@@ -358,6 +387,16 @@ class Scheduler:
         """The slot is free; its cache keeps the sequence (all but the last token, never fed back), and the
         prompt's log-probabilities where they were computed."""
         self.prefixes.hold(slot, s.request.prompt + s.tokens[:-1], s.prompt_logprobs)
+
+
+@dataclasses.dataclass
+class _Call:
+    """The slots of one prefill call: those holding a prefix its prompts reuse, and, as its rows are placed, those
+    it copies a prefix into and out of (`Scheduler._place`)."""
+
+    reused: set[int | None]
+    into: set[int] = dataclasses.field(default_factory=set)
+    out_of: set[int] = dataclasses.field(default_factory=set)
 
 
 def _wants_prompt_logprobs(r: Request) -> bool:

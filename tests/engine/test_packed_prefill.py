@@ -60,3 +60,23 @@ def test_packed_prefill_matches_prompts_as_rows(cpu_kernels, monkeypatch, slots)
     assert sum(got[True][2].values()) > 0  # the shared prefix was reused
     for r in _requests(3):
         assert got[True][0][r.id] == reference_greedy(config, params, r.prompt, r.params.max_tokens)
+
+
+def test_nested_shared_prefixes_are_computed_once_and_score_as_alone(cpu_kernels):
+    """Scoring: 2 contexts, 2 questions on each, 3 answers to each question, all admitted at once. Each context and
+    each question is computed once (a level at a time, copied one slot after another), and every prompt's
+    log-probabilities are those of the prompt computed alone on a fresh engine."""
+    assert cpu_kernels
+    config = tiny_config()
+    params = spread_params(config, seed=7)
+    rng = np.random.default_rng(11)
+    tail = lambda n: rng.integers(3, 131, size=n).tolist()
+    prompts = [c + q + tail(2) for c in (tail(40), tail(40)) for q in (tail(20), tail(20)) for _ in range(3)]
+    scoring = SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=1)
+    requests = [Request(i, p, scoring) for i, p in enumerate(prompts)]
+    engine = _engine(config, params, 16)
+    together = {u.id: u.prompt_logprobs for u in engine.generate(requests) if u.prompt_logprobs is not None}
+    # 2 x 40 + 4 x 20 + 12 x 2 distinct tokens; each reuse recomputes its prefix's last token (its log-probability)
+    assert engine.stats.prefill_tokens <= 2 * 40 + 4 * 20 + 12 * 2 + 16
+    for r in requests:
+        assert together[r.id] == _prompt_logprobs(_engine(config, params, 16), r), r.id

@@ -52,8 +52,16 @@ def test_a_free_slot_holding_nearly_as_much_is_chosen_over_copying_from_a_busy_o
 def test_shared_prefixes_groups_prompts_by_their_common_start():
     system = list(range(3, 23))
     prompts = [system + [40, 41], system + [50], [9] * 30, system[:10] + [1] * 20, system + [40, 42, 43]]
-    assert shared_prefixes(prompts) == [([0, 1, 4], 20)]
-    assert shared_prefixes([system, system]) == [([0, 1], 19)]  # identical prompts: all but the last token
+    assert shared_prefixes(prompts) == [[([0, 1, 4], 20)]]
+    assert shared_prefixes([system, system]) == [[([0, 1], 19)]]  # identical prompts: all but the last token
+
+
+def test_shared_prefixes_nest_where_members_share_more():
+    """A few-shot context (20 tokens), two questions on it (16 and 5 tokens), answers to each: the first question's
+    answers share a prefix 16 tokens longer than the context, a group of its own; the second's only 5 more."""
+    context, one, two = list(range(3, 23)), list(range(30, 46)), list(range(50, 55))
+    prompts = [context + one + [7], context + two + [8], context + one + [9], [1] * 40, context + two + [9]]
+    assert shared_prefixes(prompts) == [[([0, 1, 2, 4], 20)], [([0, 2], 36)]]
 
 
 def test_prompts_admitted_together_share_their_prefix(tiny):
