@@ -12,6 +12,7 @@ over BASE; of the inverse wall times for a job that generates nothing, such as s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -36,40 +37,46 @@ def run_job(tree: Path, cache: Path, job: Path, options: list[str]) -> dict:
     return json.loads(stats.read_text())
 
 
+@contextlib.contextmanager
+def worktrees(base: str, new: str | None, tmp: Path):
+    """{"base": a worktree of `base`, "new": one of `new` (None: this repository as it is)}, removed after."""
+    trees = {"base": tmp / "base", "new": tmp / "new" if new else REPO}
+    for name, rev in (("base", base), ("new", new)):
+        if rev:
+            subprocess.run(["git", "worktree", "add", "--detach", str(trees[name]), rev], cwd=REPO, check=True)
+    try:
+        yield trees
+    finally:
+        for tree in trees.values():
+            if tree != REPO:
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False)
+
+
 def main(base: str, *jobs: str, new: str | None = None, rounds: int = 2, options: str = ""):
     flags = shlex.split(options)
     jobs = [Path(j).resolve() for j in jobs]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, worktrees(base, new, Path(tmp)) as trees:
         tmp = Path(tmp)
-        trees = {"base": tmp / "base", "new": tmp / "new" if new else REPO}
-        for name, rev in (("base", base), ("new", new)):
-            if rev:
-                subprocess.run(["git", "worktree", "add", "--detach", str(trees[name]), rev], cwd=REPO, check=True)
-        try:
-            for job in jobs:
-                runs, walls = {name: [] for name in trees}, {name: [] for name in trees}
-                for name, tree in trees.items():  # cold: fills each version's cache
-                    run_job(tree, tmp / f"cache-{name}", job, flags)
-                for i in range(rounds):
-                    for name, tree in trees.items() if i % 2 == 0 else reversed(trees.items()):
-                        stats = run_job(tree, tmp / f"cache-{name}", job, flags)
-                        runs[name].append(stats["output_tokens_per_s"])
-                        walls[name].append(stats["wall_s"])
-                        print(
-                            f"{job.name} {name}: {stats['output_tokens_per_s']:.1f} output tok/s, "
-                            f"wall {stats['wall_s']:.1f} s",
-                            flush=True,
-                        )
-                if all(runs["base"]) and all(runs["new"]):
-                    ratio, of = statistics.median(runs["new"]) / statistics.median(runs["base"]), "output tok/s"
-                else:  # a job that generates nothing (scoring): its speed is the inverse of its wall time
-                    ratio, of = statistics.median(walls["base"]) / statistics.median(walls["new"]), "1 / wall"
-                label = f"{new or 'working tree'} / {base}"
-                print(f"{job.name}: {label} = {ratio:.3f} ({of}, medians of {rounds} warm runs)")
-        finally:
-            for tree in trees.values():
-                if tree != REPO:
-                    subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False)
+        for job in jobs:
+            runs, walls = {name: [] for name in trees}, {name: [] for name in trees}
+            for name, tree in trees.items():  # cold: fills each version's cache
+                run_job(tree, tmp / f"cache-{name}", job, flags)
+            for i in range(rounds):
+                for name, tree in trees.items() if i % 2 == 0 else reversed(trees.items()):
+                    stats = run_job(tree, tmp / f"cache-{name}", job, flags)
+                    runs[name].append(stats["output_tokens_per_s"])
+                    walls[name].append(stats["wall_s"])
+                    print(
+                        f"{job.name} {name}: {stats['output_tokens_per_s']:.1f} output tok/s, "
+                        f"wall {stats['wall_s']:.1f} s",
+                        flush=True,
+                    )
+            if all(runs["base"]) and all(runs["new"]):
+                ratio, of = statistics.median(runs["new"]) / statistics.median(runs["base"]), "output tok/s"
+            else:  # a job that generates nothing (scoring): its speed is the inverse of its wall time
+                ratio, of = statistics.median(walls["base"]) / statistics.median(walls["new"]), "1 / wall"
+            label = f"{new or 'working tree'} / {base}"
+            print(f"{job.name}: {label} = {ratio:.3f} ({of}, medians of {rounds} warm runs)")
 
 
 if __name__ == "__main__":

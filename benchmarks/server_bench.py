@@ -11,6 +11,7 @@ have "messages". Greedy, so both passes must give the same texts (checked).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -41,11 +42,11 @@ def _ask(client: OpenAI, request: dict) -> tuple[str, float]:
     return "".join(text), (first or time.perf_counter()) - start
 
 
-def main(job: str | None = None, clients: int = 16, model: str | None = None, port: int = 8011):
-    requests = _requests(Path(job) if job else REPO / "jobs" / "eval.jsonl", clients)
-    cmd = [sys.executable, "-m", "jaxllama.cli", "serve", "--port", str(port), "--max-batch", str(clients)]
-    cmd += ["--model", model] if model else []
-    server = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
+@contextlib.contextmanager
+def serving(cmd: list[str], port: int, cwd: Path = REPO, env: dict | None = None):
+    """`cmd` (a `jaxllama serve` on `port`) started in its own process group, its URL once /health answers (at
+    most 10 minutes: it compiles on start), stopped after."""
+    server = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 600
@@ -58,6 +59,17 @@ def main(job: str | None = None, clients: int = 16, model: str | None = None, po
             if time.time() > deadline or server.poll() is not None:
                 raise SystemExit("the server did not come up")
             time.sleep(1)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(30)
+
+
+def main(job: str | None = None, clients: int = 16, model: str | None = None, port: int = 8011):
+    requests = _requests(Path(job) if job else REPO / "jobs" / "eval.jsonl", clients)
+    cmd = [sys.executable, "-m", "jaxllama.cli", "serve", "--port", str(port), "--max-batch", str(clients)]
+    cmd += ["--model", model] if model else []
+    with serving(cmd, port) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=3600)
         for r in requests:  # compile every shape once, so that neither pass pays for it
             _ask(client, r)
@@ -68,9 +80,6 @@ def main(job: str | None = None, clients: int = 16, model: str | None = None, po
         with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
             together = list(pool.map(lambda r: _ask(client, r), requests))
         concurrent_wall = time.perf_counter() - start
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(30)
     same = [a[0] == b[0] for a, b in zip(one_by_one, together, strict=True)]
     ttft = sorted(t for _, t in together)[len(together) // 2]
     print(f"{len(requests)} chat requests, greedy: same texts one by one and concurrently: {sum(same)}/{len(same)}")
