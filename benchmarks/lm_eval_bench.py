@@ -13,7 +13,8 @@ BASE (and NEW, by default the working tree) each serve the default model from th
 (`compare_commits.worktrees`) and compilation cache, both at once on two ports; `lm_eval --model local-completions`
 (lm-evaluation-harness's commands as README.md gives them, `pip install -e '.[eval]'`) runs against each once cold
 (not counted: it compiles), then `rounds` times warm, the versions alternating. Prints each run's wall time (lm_eval's
-whole process: its own start and tokenizing included) and the ratio of the medians, BASE over NEW.
+whole process: its own start and tokenizing included) and the ratio of the medians, BASE over NEW, and each
+version's accuracy per task (random text: only whether the two agree says anything).
 """
 
 from __future__ import annotations
@@ -75,14 +76,16 @@ def write_tasks(folder: Path, subjects: int, questions: int, seed: int = 1) -> l
     return names
 
 
-def run_lm_eval(url: str, tasks: list[str], folder: Path, batch_size: int) -> float:
-    """lm_eval's wall seconds over the tasks, through the server at `url`."""
+def run_lm_eval(url: str, tasks: list[str], folder: Path, batch_size: int, out: Path) -> tuple[float, dict]:
+    """lm_eval's wall seconds over the tasks, through the server at `url`, and its accuracy per task."""
     args = f"base_url={url}/v1/completions,model=jaxllama,num_concurrent=1,max_length=2048"
     cmd = ["lm_eval", "--model", "local-completions", "--model_args", args, "--batch_size", str(batch_size)]
-    cmd += ["--tasks", ",".join(tasks), "--include_path", str(folder)]
+    cmd += ["--tasks", ",".join(tasks), "--include_path", str(folder), "--output_path", str(out)]
     start = time.perf_counter()
     subprocess.run(cmd, env={**os.environ, "HF_DATASETS_OFFLINE": "1"}, check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    results = json.loads(max(out.rglob("results_*.json"), key=lambda p: p.stat().st_mtime).read_text())["results"]
+    return wall, {task: round(r["acc,none"], 4) for task, r in results.items()}
 
 
 def main(
@@ -105,13 +108,15 @@ def main(
             cmd += ["--max-context", "2048", "--max-batch", str(batch_size)]
             env = {**os.environ, "JAXLLAMA_CACHE": str(tmp / f"cache-{name}"), "PYTHONPATH": str(tree)}
             urls[name] = stack.enter_context(serving(cmd, port + i, cwd=tree, env=env))
-        for url in urls.values():  # cold: compiles each version's programs
-            run_lm_eval(url, tasks, tmp / "tasks", batch_size)
+        for name, url in urls.items():  # cold: compiles each version's programs
+            _, accuracy = run_lm_eval(url, tasks, tmp / "tasks", batch_size, tmp / f"out-{name}")
+            print(f"{name}: accuracy {accuracy}", flush=True)
         walls = {name: [] for name in urls}
         for i in range(rounds):
             for name, url in urls.items() if i % 2 == 0 else reversed(urls.items()):
-                walls[name].append(run_lm_eval(url, tasks, tmp / "tasks", batch_size))
-                print(f"{name}: lm_eval {walls[name][-1]:.1f} s", flush=True)
+                wall, _ = run_lm_eval(url, tasks, tmp / "tasks", batch_size, tmp / f"out-{name}")
+                walls[name].append(wall)
+                print(f"{name}: lm_eval {wall:.1f} s", flush=True)
         requests = 4 * subjects * questions
         ratio = statistics.median(walls["base"]) / statistics.median(walls["new"])
         label = f"{new or 'working tree'} / {base}"

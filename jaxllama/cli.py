@@ -54,20 +54,29 @@ def _load(model, options, *, mesh=None, dtype=None, chat_template=None, eos_id=N
     return llm
 
 
-def _engine_options(max_batch, max_context=None, decode_steps=None, quantize=None, kv_cache_dtype=None):
-    """The flags that size and run the engine, as one checked value (ValueError for a bad one)."""
-    from jaxllama.engine.options import EngineOptions
-    from jaxllama.errors import is_int
+# The flag that sets each `EngineOptions` field, so that an error names what the user typed.
+_ENGINE_FLAGS = {
+    "max_slots": "--max-batch",
+    "max_context": "--max-context",
+    "decode_steps": "--decode-steps",
+    "quantize": "--quantize",
+    "kv_cache_dtype": "--kv-cache-dtype",
+}
 
-    if not (is_int(max_batch) and max_batch >= 1):
-        raise ValueError(f"--max-batch {max_batch!r}: must be a positive integer")  # by the flag's name
-    return EngineOptions(
-        max_slots=max_batch,
-        max_context=max_context,
-        decode_steps=decode_steps,
-        quantize=quantize,
-        kv_cache_dtype=kv_cache_dtype,
-    )
+
+def _engine_options(max_batch, max_context=None, decode_steps=None, quantize=None, kv_cache_dtype=None):
+    """The flags that size and run the engine, as one value checked where it is made (a ValueError naming the flag
+    for a bad one)."""
+    from jaxllama.engine.options import EngineOptions
+
+    values = dict(max_context=max_context, decode_steps=decode_steps, quantize=quantize, kv_cache_dtype=kv_cache_dtype)
+    try:
+        return EngineOptions(max_slots=max_batch, **values)
+    except ValueError as e:
+        field, _, rest = str(e).partition("=")
+        if field in _ENGINE_FLAGS:
+            raise ValueError(f"{_ENGINE_FLAGS[field]}={rest}") from None
+        raise
 
 
 def _log_to_stderr(level: int) -> None:

@@ -181,3 +181,19 @@ def test_an_unknown_dtype_is_one_error_line_before_the_model_loads(tmp_path, cap
         and "error: dtype='foo': expected one of bfloat16, float32, float16" in capsys.readouterr().err
     )
     assert not (tmp_path / "job.out.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--max-batch", "0", "--max-batch=0: must be a positive integer"),
+        ("--max-context", "-1", "--max-context=-1: must be a positive integer"),
+        ("--kv-cache-dtype", "float8", "--kv-cache-dtype='float8': expected auto or one of"),
+    ],
+)
+def test_a_bad_engine_flag_is_named_as_typed_before_the_model_loads(flag, value, message, tmp_path, capsys):
+    job = tmp_path / "job.jsonl"
+    job.write_text(json.dumps({"id": "x", "prompt": "the cat", "max_tokens": 4}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        main(["run", str(job), "--model", str(tmp_path / "never-loaded"), flag, value])
+    assert e.value.code == 2 and message in capsys.readouterr().err
