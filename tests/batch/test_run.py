@@ -269,9 +269,9 @@ def test_quantized_weights_and_a_float16_cache(tiny_chat, tmp_path):
     proc = jaxllama("run", job, "--model", tiny_chat, "--quantize", "q8_0", "--overwrite", env={"XLA_FLAGS": ""})
     assert proc.returncode == 0, proc.stderr
     proc = jaxllama_here("run", job, "--model", tiny_chat, "--quantize", "q5_1", "--overwrite")
-    assert proc.returncode == 2 and "quantize='q5_1': expected one of int8, q8_0, w8a8, q4_0" in proc.stderr
+    assert proc.returncode == 2 and "--quantize='q5_1': expected one of int8, q8_0, w8a8, q4_0" in proc.stderr
     proc = jaxllama_here("run", job, "--model", tiny_chat, "--kv-cache-dtype", "float8", "--overwrite")
-    assert proc.returncode == 2 and "kv_cache_dtype='float8': expected auto or one of float32" in proc.stderr
+    assert proc.returncode == 2 and "--kv-cache-dtype='float8': expected auto or one of float32" in proc.stderr
 
 
 def test_info(tiny_chat):
