@@ -259,6 +259,9 @@ def test_log_probabilities_that_are_not_finite_are_answered_as_the_floor():
         def decode(self, ids):
             return "".join(chr(ord("a") + i) for i in ids)
 
+        def token_text(self, i):
+            return self.decode([i])
+
     result = Result(0, "abcd", [0, 1, 2, 3], "length", None, 1, Timings(), logprobs)
     result.top_logprobs = [[(i, lp)] for i, lp in enumerate(logprobs)]
     options = output_options({"logprobs": True, "top_logprobs": 1}, "chat")

@@ -50,9 +50,7 @@ def piece_logprobs(
 
 
 def _logprobs(kind, tokenizer, options: OutputOptions, prompt, prompt_logprobs, answer, offset: int, echoed: str):
-    def text(t: int) -> str:
-        return tokenizer.decode([t])
-
+    text = tokenizer.token_text
     tokens = [text(t) for t in answer.token_ids]
     top = answer.top_logprobs or [[] for _ in tokens]
     if kind == "chat":

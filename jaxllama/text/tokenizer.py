@@ -94,6 +94,15 @@ class Tokenizer(abc.ABC):
         Bytes that do not form valid UTF-8 decode to U+FFFD.
         """
 
+    def token_text(self, i: int) -> str:
+        """`decode([i])`, remembered per id: log-probabilities name every token and its alternatives by their text,
+        hundreds of thousands of times in a scoring job."""
+        texts = self.__dict__.setdefault("_token_texts", {})
+        text = texts.get(i)
+        if text is None:
+            text = texts[i] = self.decode([i])
+        return text
+
     @abc.abstractmethod
     def token_to_id(self, token: str) -> int | None:
         """The id of a special or ordinary token, spelled as in the vocabulary; None if unknown."""
