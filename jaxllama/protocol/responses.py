@@ -67,26 +67,40 @@ def _choice(kind: str, index: int, result: Result, logprobs: dict | None, text: 
     return choice
 
 
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """What every chunk of one streamed answer repeats: its kind ("chat" or "completion"), id, creation time and
+    model, and whether each chunk carries "usage" (`stream_options.include_usage`)."""
+
+    kind: str
+    id: str
+    created: int
+    model: str
+    include_usage: bool = False
+
+    @classmethod
+    def start(cls, kind: str, model: str, include_usage: bool = False) -> Stream:
+        return cls(kind, new_id(kind), int(time.time()), model, include_usage)
+
+    def _header(self) -> dict:
+        kind = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
 def chunk(
-    kind: str,
-    id: str,
-    created: int,
-    model: str,
+    stream: Stream,
     text: str | None = None,
     *,
     role: bool = False,
     finish_reason: str | None = None,
     stop_reason: str | int | None = None,
     logprobs: dict | None = None,
-    usage: dict | None = None,
-    include_usage: bool = False,
     index: int = 0,
 ) -> dict:
     """One streamed piece: a `chat.completion.chunk` or a `text_completion` with one choice (the request's choice
-    `index`, of its n samples). `role` opens a chat
-    stream; `finish_reason` closes the choice. With `include_usage` every chunk has "usage" (null but in the
-    last one, which has no choices: see `usage_chunk`)."""
-    if kind == "chat":
+    `index`, of its n samples). `role` opens a chat stream; `finish_reason` closes the choice. With the stream's
+    `include_usage` every chunk has "usage", null (the usage comes last, in a chunk of no choices: `usage_chunk`)."""
+    if stream.kind == "chat":
         delta = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
@@ -96,31 +110,17 @@ def chunk(
     choice.update(logprobs=logprobs, finish_reason=finish_reason)
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
-    out = {
-        "id": id,
-        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-    if include_usage:
-        out["usage"] = usage
+    out = {**stream._header(), "choices": [choice]}
+    if stream.include_usage:
+        out["usage"] = None
     return out
 
 
-def usage_chunk(kind: str, id: str, created: int, model: str, result: Result | list[Result]) -> dict:
+def usage_chunk(stream: Stream, result: Result | list[Result]) -> dict:
     """The last chunk of a stream asked with `stream_options.include_usage`: no choices, the usage (of every
     choice: `result` may be the request's n results)."""
     results = result if isinstance(result, list) else [result]
-    return {
-        "id": id,
-        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage_of([results]),
-        "timings": timings(results[0]),
-    }
+    return {**stream._header(), "choices": [], "usage": usage_of([results]), "timings": timings(results[0])}
 
 
 LOGPROB_FLOOR = -9999.0

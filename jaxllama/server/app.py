@@ -249,14 +249,14 @@ async def _collect(stream: RequestStream, n: int) -> list[Result]:
 
 async def _sse(stream: RequestStream, first: Event, prepared: PreparedRequest, model: str, tokenizer):
     """The server-sent events of a streamed answer: chunks, a finishing chunk, the usage chunk if asked, [DONE]."""
-    kind, usage = prepared.kind, prepared.options.include_usage
-    rid, created = responses.new_id(kind), int(time.time())
+    kind = prepared.kind
+    header = responses.Stream.start(kind, model, prepared.options.include_usage)
 
     def data(obj: dict) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
     def chunk(text, **fields) -> str:
-        return data(responses.chunk(kind, rid, created, model, text, include_usage=usage, **fields))
+        return data(responses.chunk(header, text, **fields))
 
     try:
         if kind == "chat":
@@ -280,8 +280,8 @@ async def _sse(stream: RequestStream, first: Event, prepared: PreparedRequest, m
                 end = None if kind == "chat" else ""
                 yield chunk(end, finish_reason=r.finish_reason, stop_reason=r.stop_reason, index=i)
             if event.last:
-                if usage:
-                    yield data(responses.usage_chunk(kind, rid, created, model, results))
+                if header.include_usage:
+                    yield data(responses.usage_chunk(header, results))
                 break
             event = await stream.next()
         yield "data: [DONE]\n\n"
