@@ -167,7 +167,7 @@ class Scheduler:
         updates = []
         for _, group in sorted(calls.items()):
             # Sources are chosen just before each call: the cache then holds what `prefixes` says.
-            rows, call = [], self._call([(r.prompt, _wants_prompt_logprobs(r)) for r in group])
+            rows, call = [], self._prefill_call([(r.prompt, _wants_prompt_logprobs(r)) for r in group])
             for r in group:
                 source, start, slot = self._place(r.prompt, _wants_prompt_logprobs(r), free, call)
                 free.remove(slot)
@@ -198,7 +198,7 @@ class Scheduler:
                 if self.prefixes.best(prompt, logprobs=logprobs)[1] < n - logprobs:  # not held
                     wanted.append((prompt[:n], logprobs))
             rows: list[PrefillRow] = []
-            idle, call = list(free), self._call(wanted)
+            idle, call = list(free), self._prefill_call(wanted)
             for prefix, logprobs in wanted[: len(free)]:
                 source, start, slot = self._place(prefix, logprobs, idle, call)
                 idle.remove(slot)
@@ -207,11 +207,11 @@ class Scheduler:
             if rows:
                 self._prefill(rows, sample=False)
 
-    def _call(self, prompts: list[tuple[list[int], bool]]) -> _Call:
+    def _prefill_call(self, prompts: list[tuple[list[int], bool]]) -> _PrefillCall:
         """A prefill call about to place rows for these (prompt, wants its log-probabilities)."""
-        return _Call({self.prefixes.best(p, logprobs=logprobs)[0] for p, logprobs in prompts})
+        return _PrefillCall({self.prefixes.best(p, logprobs=logprobs)[0] for p, logprobs in prompts})
 
-    def _place(self, prompt: list[int], logprobs: bool, free: list[int], call: _Call) -> tuple[int, int, int]:
+    def _place(self, prompt: list[int], logprobs: bool, free: list[int], call: _PrefillCall) -> tuple[int, int, int]:
         """(source, start, slot) of a prompt in the coming prefill call: the slot holding its longest prefix
         (`prefixes.best`; `logprobs`: with their log-probabilities) and the free slot it is computed in: that one
         where it is free, else the free one holding the least, sparing those the call's prompts reuse. A call's
@@ -392,7 +392,7 @@ class Scheduler:
 
 
 @dataclasses.dataclass
-class _Call:
+class _PrefillCall:
     """The slots of one prefill call: those holding a prefix its prompts reuse, and, as its rows are placed, those
     it copies a prefix into and out of (`Scheduler._place`)."""
 
