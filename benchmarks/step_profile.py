@@ -42,7 +42,7 @@ class TimedPrograms:
         compiling, start = self.stats.compile_s, time.perf_counter()
         result = jax.block_until_ready(self.programs(kind, fn, args, static_key, donate, out))
         if kind.endswith("layers"):  # by shape: rows x tokens, over a cache (decode) or a span (prefill) of some length
-            x, cache = args[1], args[4]
+            x, cache = args[1], args[3]
             span = x.shape[1] if cache is None else kvcache.length(cache)
             kind = f"{kind} {x.shape[0]}x{x.shape[1]} /{span}"
         self.compiles[kind] += self.stats.compile_s - compiling

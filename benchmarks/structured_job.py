@@ -24,8 +24,7 @@ import fire
 import jsonschema
 
 from jaxllama import LLM
-from jaxllama.batch.runner import run_job
-from jaxllama.engine.request import SamplingParams
+from jaxllama.batch.runner import JobOptions, run_job
 
 
 def _object(properties: dict, required: list[str] | None = None) -> dict:
@@ -136,7 +135,7 @@ def main(
     for name, job in (("structured", structured), ("free", free)):
         if name == "free":
             free_job(free, structured, folder / "structured.out.jsonl")
-        _, s = run_job(llm, job, defaults=SamplingParams(), stop=[], overwrite=True, quiet=True)
+        _, s = run_job(llm, job, options=JobOptions(overwrite=True, quiet=True))
         run_s = s["wall_s"] - s["compile_s"]
         summary[name] = {
             "completion_tokens": s["completion_tokens"],

@@ -18,6 +18,7 @@ import fire
 from jaxllama import LLM
 from jaxllama.engine.request import SamplingParams
 from jaxllama.text.structured import OutputFormat
+from jaxllama.text_engine import TextRequest
 
 
 def main(rows: int = 64, max_tokens: int = 30, rounds: int = 2, model: str | None = None):
@@ -35,7 +36,8 @@ def main(rows: int = 64, max_tokens: int = 30, rounds: int = 2, model: str | Non
         )
         for i, prompt in enumerate(prompts):
             params = SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, ignore_eos=True)
-            llm.text_engine.submit(f"{name}-{i}", prompt, params, grammar=grammar if constrained else None)
+            request = TextRequest(prompt, params, grammar=grammar if constrained else None)
+            llm.text_engine.submit(f"{name}-{i}", request)
         for _ in llm.text_engine.run():
             pass
         rate = (stats.generated_tokens - tokens) / (stats.decode_s - decode_s)

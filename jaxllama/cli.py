@@ -68,14 +68,14 @@ def _engine_options(max_batch, max_context=None, decode_steps=None, quantize=Non
     """The flags that size and run the engine, as one value checked where it is made (a ValueError naming the flag
     for a bad one)."""
     from jaxllama.engine.options import EngineOptions
+    from jaxllama.errors import InvalidOption
 
     values = dict(max_context=max_context, decode_steps=decode_steps, quantize=quantize, kv_cache_dtype=kv_cache_dtype)
     try:
         return EngineOptions(max_slots=max_batch, **values)
-    except ValueError as e:
-        field, _, rest = str(e).partition("=")
-        if field in _ENGINE_FLAGS:
-            raise ValueError(f"{_ENGINE_FLAGS[field]}={rest}") from None
+    except InvalidOption as e:
+        if e.name in _ENGINE_FLAGS:
+            raise ValueError(f"{_ENGINE_FLAGS[e.name]}={e.value!r}: {e.expected}") from None
         raise
 
 
@@ -185,7 +185,7 @@ def run(
 
     from jaxllama.batch.jobs import count_lines
     from jaxllama.batch.lock import OutputLock
-    from jaxllama.batch.runner import JobInterrupted, default_output, print_summary, run_job
+    from jaxllama.batch.runner import JobInterrupted, JobOptions, default_output, print_summary, run_job
     from jaxllama.batch.settings import SettingsChanged, check_settings, job_settings
     from jaxllama.engine.runtime import initialize_distributed, is_main_process
     from jaxllama.protocol.requests import sampling_params
@@ -216,19 +216,17 @@ def run(
         _fail(str(e))
     main = is_main_process()
     try:
-        stats, summary = run_job(
-            llm,
-            job_path,
-            Path(output) if output else None,
+        options = JobOptions(
             defaults=defaults,
-            stop=_stops(stop),
+            stop=tuple(_stops(stop)),
             system_prompt=system_prompt,
             overwrite=overwrite,
-            quiet=quiet or not main,
             write=main,
             retry_errors=not no_retry_errors,
             settings=settings,
+            quiet=quiet or not main,
         )
+        stats, summary = run_job(llm, job_path, Path(output) if output else None, options)
     except (OSError, SettingsChanged) as e:
         _fail(str(e))
     except JobInterrupted as e:

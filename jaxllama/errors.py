@@ -5,11 +5,22 @@ them: the sampling parameters and the engine (a prompt past the context), the te
 template), the request pipeline (a body's fields). Only the protocol layer turns them into OpenAI error codes and
 HTTP statuses (`jaxllama.protocol.errors`), by class, never by message. The request errors are ValueErrors: a
 caller that only needs to know "this request is bad" can catch that. Three are failures of the service (busy,
-stopped, its client gone), not of the request; the last, `CheckpointError`, is a bad model on disk. `is_int` is
+stopped, its client gone), not of the request; `CheckpointError` is a bad model on disk, and `InvalidOption` a bad
+option of a load or an engine (the command line's, `LLM.load`'s). `is_int` is
 the one type check their callers share.
 """
 
 from __future__ import annotations
+
+
+class InvalidOption(ValueError):
+    """An option of a load or an engine (`LLM.load`'s keywords, `EngineOptions`' fields) out of its range: its
+    `name`, its `value` and what it must be (`expected`), kept apart so that a front end can name the option as its
+    user spelled it (a command-line flag)."""
+
+    def __init__(self, name: str, value, expected: str):
+        super().__init__(f"{name}={value!r}: {expected}")
+        self.name, self.value, self.expected = name, value, expected
 
 
 class RequestError(ValueError):

@@ -55,7 +55,7 @@ from jaxllama.text.loading import load_tokenizer
 from jaxllama.text.prompts import PromptEncoder
 from jaxllama.text.structured import Grammar, GrammarCompiler, OutputFormat
 from jaxllama.text.tokenizer import Tokenizer
-from jaxllama.text_engine import TextEngine
+from jaxllama.text_engine import TextEngine, TextRequest
 
 log = logging.getLogger(__name__)
 
@@ -392,7 +392,7 @@ class LLM:
         request_ids = []
         for prompt in prompts:
             request_ids.append(self._new_id())
-            self.text_engine.submit(request_ids[-1], prompt, params)
+            self.text_engine.submit(request_ids[-1], TextRequest(prompt, params))
         with contextlib.closing(self._events(request_ids)) as events:
             results = {e.id: e.result for e in events if e.result is not None}
         out = []
@@ -423,7 +423,9 @@ class LLM:
         request_ids = []
         for prompt_ids in ids:
             rid = self._new_id()
-            self.text_engine.submit(rid, prompt_ids, params, stop, include_stop, logprobs, grammar=grammar, n=n)
+            self.text_engine.submit(
+                rid, TextRequest(prompt_ids, params, stop, include_stop, logprobs, grammar=grammar, n=n)
+            )
             request_ids.append(rid)
         results = {r: [None] * n for r in request_ids}
         with contextlib.closing(self._events(request_ids)) as events:  # closed early: the rest are cancelled
@@ -437,7 +439,7 @@ class LLM:
 
     def _stream(self, prompt_ids, params, stop, include_stop, grammar=None) -> Iterator[str]:
         rid = self._new_id()
-        self.text_engine.submit(rid, prompt_ids, params, stop, include_stop, grammar=grammar)
+        self.text_engine.submit(rid, TextRequest(prompt_ids, params, stop, include_stop, grammar=grammar))
         with contextlib.closing(self._events([rid])) as events:
             for event in events:
                 if event.result is not None and event.result.error is not None:

@@ -86,6 +86,25 @@ class _Pending:
     started: bool = False  # its first event has gone out
 
 
+@dataclasses.dataclass(frozen=True)
+class TextRequest:
+    """One prompt to complete, as the text engine runs it: its token ids and sampling parameters; the stop strings
+    that end its text (cut off, unless `include_stop`); whether each token's log-probability is reported
+    (`logprobs`); its `priority` (higher gets a slot first: `Request.priority`); the `grammar` its text must match
+    (its tokens are drawn only among those that keep it matching; a text cut by max_tokens ends with "length");
+    and `n`, the samples of the prompt, each with its own random stream (`choice_seed`): admitted together, they
+    compute the prompt once."""
+
+    prompt: list[int]
+    params: SamplingParams
+    stop: Sequence[str] = ()
+    include_stop: bool = False
+    logprobs: bool = False
+    priority: int = 0
+    grammar: Grammar | None = None
+    n: int = 1
+
+
 class TextEngine:
     """Drives an engine for requests given as token ids; not thread-safe (one thread calls `step`)."""
 
@@ -94,22 +113,9 @@ class TextEngine:
         self.pending: dict[object, _Pending] = {}  # by the engine's id: the request's, or a _Choice's
         self._choices: dict[object, list] = {}  # request id -> the engine ids of its choices not finished
 
-    def submit(
-        self,
-        id,
-        prompt: list[int],
-        params: SamplingParams,
-        stop: Sequence[str] = (),
-        include_stop: bool = False,
-        logprobs: bool = False,
-        priority: int = 0,
-        grammar: Grammar | None = None,
-        n: int = 1,
-    ) -> None:
-        """Queue a request; raises ValueError (naming the problem) if it can never run. Requests of higher
-        `priority` get a slot first (`Request.priority`). `grammar`: what the text must match (its tokens are drawn
-        only among those that keep it matching; a text cut by max_tokens ends with "length"). `n`: samples of the
-        prompt, each with its own random stream (`choice_seed`); admitted together, they compute the prompt once."""
+    def submit(self, id, request: TextRequest) -> None:
+        """Queue a request under `id`; raises ValueError (naming the problem) if it can never run."""
+        params, n, grammar = request.params, request.n, request.grammar
         if id in self._choices:
             raise ValueError(f"request id {id!r} is already running")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -118,21 +124,22 @@ class TextEngine:
             raise InvalidParameter(
                 "min_tokens: not with structured output, whose grammar decides where it ends", "min_tokens"
             )
-        _ChoiceText(self.tokenizer, stop, include_stop)  # validates the stop strings
-        requests = []
+        _ChoiceText(self.tokenizer, request.stop, request.include_stop)  # validates the stop strings
+        choices = []
         for i in range(n):
-            choice = dataclasses.replace(params, seed=choice_seed(params.seed, i))
+            sampled = dataclasses.replace(params, seed=choice_seed(params.seed, i))
             constraint = grammar.matcher() if grammar is not None else None
             key = id if n == 1 else _Choice(id, i)
-            requests.append(Request(key, list(prompt), choice, priority=priority, constraint=constraint))
-        for r in requests:
-            self.engine.check(r)
-        for i, r in enumerate(requests):
-            self.engine.add(r)
-            self.pending[r.id] = _Pending(
-                _ChoiceText(self.tokenizer, stop, include_stop), len(prompt), logprobs, params, False, id, i
+            choices.append(
+                Request(key, list(request.prompt), sampled, priority=request.priority, constraint=constraint)
             )
-        self._choices[id] = [r.id for r in requests]
+        for choice in choices:
+            self.engine.check(choice)
+        for i, choice in enumerate(choices):
+            self.engine.add(choice)
+            text = _ChoiceText(self.tokenizer, request.stop, request.include_stop)
+            self.pending[choice.id] = _Pending(text, len(request.prompt), request.logprobs, params, False, id, i)
+        self._choices[id] = [choice.id for choice in choices]
 
     def running(self, id) -> bool:
         """Whether request `id` has a choice that has not finished."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from jaxllama import LLM
-from jaxllama.batch.runner import run_job
+from jaxllama.batch.runner import JobOptions, run_job
 from jaxllama.engine.request import SamplingParams
 from tests.helpers.server import CONTEXT, SLOTS
 
@@ -84,7 +84,7 @@ def test_job_lines_carry_logprobs(llm, tmp_path):
     ]
     job = tmp_path / "job.jsonl"
     job.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    run_job(llm, job, defaults=SamplingParams(max_tokens=3, temperature=0.0), stop=[], quiet=True)
+    run_job(llm, job, options=JobOptions(SamplingParams(max_tokens=3, temperature=0.0), quiet=True))
     echo, chat, many = (json.loads(line) for line in (tmp_path / "job.out.jsonl").read_text().splitlines())
     ref = log_softmax(llm.logits([ids])[0])
     assert echo["text"] == llm.decode(ids) and echo["usage"]["completion_tokens"] == 0

@@ -153,6 +153,7 @@ CODES = [
     (E.ClientClosed, "client_closed", 499),
     (E.CheckpointError, "model_error", 503),
     (E.ModelTooLarge, "model_too_large", 503),
+    (E.InvalidOption, "invalid_option", 503),
     (ValueError, "invalid_request", 400),  # a check of the engine's without a class of its own
     (KeyError, "internal_error", 500),
 ]
@@ -162,14 +163,15 @@ def test_every_error_class_has_its_code_and_status():
     classes = [c for c in vars(E).values() if isinstance(c, type) and issubclass(c, Exception)]
     assert set(classes) <= {c for c, _, _ in CODES}  # a new class must be added to the table and here
     for cls, code, status in CODES:
-        failure = errors.failure(cls("what went wrong"), "completion")
+        error = cls("max_slots", 0, "what went wrong") if cls is E.InvalidOption else cls("what went wrong")
+        failure = errors.failure(error, "completion")
         assert (failure.code, failure.status) == (code, status), cls
         if status == 500:
             assert (
                 failure.kind.type == "server_error" and failure.message == "internal error: KeyError('what went wrong')"
             )
         else:
-            assert failure.message == "what went wrong"
+            assert failure.message == str(error)
     assert errors.failure(E.QueueFull("busy")).kind.type == "rate_limit_error"
     assert errors.internal_failure(E.InvalidParameter("x")).status == 500  # what nothing expected, whatever its class
 

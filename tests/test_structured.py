@@ -12,8 +12,7 @@ import jsonschema
 import pytest
 
 from jaxllama import LLM
-from jaxllama.batch.runner import run_job
-from jaxllama.engine.request import SamplingParams
+from jaxllama.batch.runner import JobOptions, run_job
 from jaxllama.errors import InvalidParameter
 from jaxllama.text.structured import GrammarCompiler, OutputFormat
 
@@ -67,7 +66,7 @@ def test_rows_with_their_own_schemas_in_one_job_all_parse_and_validate(llm, tmp_
     ]
     job = tmp_path / "job.jsonl"
     job.write_text("".join(json.dumps({"max_tokens": 32, "temperature": 0, "seed": 7, **x}) + "\n" for x in lines))
-    stats, _ = run_job(llm, job, defaults=SamplingParams(), stop=[], quiet=True)
+    stats, _ = run_job(llm, job, options=JobOptions(quiet=True))
     records = {r["id"]: r for r in map(json.loads, (tmp_path / "job.out.jsonl").read_text().splitlines())}
     assert stats.ok == len(lines), records
     text = {key: r["message"]["content"] for key, r in records.items() if "message" in r}
@@ -151,7 +150,7 @@ def test_a_grammar_past_the_matchers_limits_is_an_error_never_stop(tiny, tmp_pat
     job = tmp_path / "job.jsonl"
     lines = [{"id": "bad", "prompt": "x", "max_tokens": 8, field: value}, {"id": "ok", "prompt": "x", "max_tokens": 3}]
     job.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    stats, _ = run_job(tiny, job, defaults=SamplingParams(), stop=[], quiet=True)
+    stats, _ = run_job(tiny, job, options=JobOptions(quiet=True))
     bad, ok = (json.loads(line) for line in (tmp_path / "job.out.jsonl").read_text().splitlines())
     assert stats.failed == 1 and bad["error"]["code"] == "invalid_parameter" and field in bad["error"]["message"]
     assert ok["usage"]["completion_tokens"] == 3

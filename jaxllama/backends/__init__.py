@@ -18,6 +18,7 @@ from jaxllama.backends.cpu.ops import CpuOps
 from jaxllama.backends.pallas import GpuOps, TpuOps
 from jaxllama.core.blocks import FORMATS
 from jaxllama.core.ops import ACCELERATOR, XLA, Ops
+from jaxllama.errors import InvalidOption
 
 __all__ = ["QUANTIZATIONS", "check_quantization", "choose", "int8_at_load"]
 
@@ -27,9 +28,9 @@ QUANTIZATIONS = ("int8", *matmul.QUANTIZATIONS)
 
 
 def check_quantization(name: str | None) -> None:
-    """Raise ValueError unless name is None (weights as stored) or one of QUANTIZATIONS."""
+    """Raise InvalidOption unless name is None (weights as stored) or one of QUANTIZATIONS."""
     if name is not None and name not in QUANTIZATIONS:
-        raise ValueError(f"quantize={name!r}: expected one of {', '.join(QUANTIZATIONS)} or None")
+        raise InvalidOption("quantize", name, f"expected one of {', '.join(QUANTIZATIONS)} or None")
 
 
 ACCELERATORS = {"tpu": TpuOps, "gpu": GpuOps}

@@ -3,7 +3,8 @@ output, `writer.py`), so that a killed or interrupted job resumes where it stopp
 which a resumed run retries.
 
 One line's way through: `read_line` (its id and shape) -> `JobLine.request` (its kind and body) ->
-`RequestPipeline.prepare` (checked fields, prompt token ids) -> `TextEngine.submit` -> the engine's steps ->
+`RequestPipeline.prepare` (checked fields, prompt token ids) -> `PreparedRequest.text_requests` (a `TextRequest`) ->
+`TextEngine.submit` -> the engine's steps ->
 `records.success` (or `records.failure` for whatever the line raised on the way) -> `OrderedWriter.put`.
 
 Multi-host: every process reads the same job and runs the same engine loop; only process 0 writes.
@@ -28,7 +29,7 @@ from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import broadcast_from_main
 from jaxllama.protocol.pipeline import PreparedRequest, RequestPipeline
 
-__all__ = ["JobInterrupted", "JobStats", "default_output", "print_summary", "read_job", "run_job"]
+__all__ = ["JobInterrupted", "JobOptions", "JobStats", "default_output", "print_summary", "read_job", "run_job"]
 
 
 @dataclasses.dataclass
@@ -66,23 +67,28 @@ def default_output(job: Path) -> Path:
     return job.with_name(f"{name}.out.jsonl")
 
 
-def run_job(
-    llm,
-    job: Path,
-    output: Path | None = None,
-    *,
-    defaults: SamplingParams,
-    stop: list[str],
-    system_prompt: str | None = None,
-    overwrite: bool = False,
-    quiet: bool = False,
-    write: bool = True,
-    retry_errors: bool = True,
-    settings: dict | None = None,
-) -> tuple[JobStats, dict]:
-    """Run a job file with a loaded `LLM`. Returns (job statistics, summary dict). `retry_errors`: run again the
-    lines whose record is an error. `settings` (`settings.job_settings`): checked against, and recorded beside,
-    the output; raises SettingsChanged. Raises JobInterrupted on Ctrl-C, after keeping what finished."""
+@dataclasses.dataclass(frozen=True)
+class JobOptions:
+    """How `run_job` runs a job, besides the model. What a line leaves unsaid (as `RequestPipeline`'s): `defaults`
+    (its sampling parameters), `stop` strings, a `system_prompt` for conversations without one. What becomes of the
+    output: `overwrite` (start over), `write` (false: the records are not written here, another process writes
+    them), `retry_errors` (run again the lines whose record is an error), `settings` (`settings.job_settings`:
+    checked against, and recorded beside, the output). `quiet`: no progress bar."""
+
+    defaults: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    system_prompt: str | None = None
+    overwrite: bool = False
+    write: bool = True
+    retry_errors: bool = True
+    settings: dict | None = None
+    quiet: bool = False
+
+
+def run_job(llm, job: Path, output: Path | None = None, options: JobOptions = JobOptions()) -> tuple[JobStats, dict]:
+    """Run a job file with a loaded `LLM`. Returns (job statistics, summary dict). Raises SettingsChanged where
+    the output was written with other settings, JobInterrupted on Ctrl-C after keeping what finished."""
+    o = options
     job = Path(job)
     output = Path(output) if output else default_output(job)
     stats, progress = JobStats(), None
@@ -91,12 +97,12 @@ def run_job(
     try:
         lines = read_job(job)
         stats.requests = len(lines)
-        if write:
-            _prepare_output(output, settings, overwrite)
-        found = _plan(lines, load_records(output) if write else {}, retry_errors, stats)
-        pipeline = RequestPipeline(llm.prompts, defaults, tuple(stop), system_prompt, output_options=False)
-        progress = Progress(len(found.todo), quiet=quiet, initial_skipped=stats.skipped, retried=stats.retried)
-        with OrderedWriter(output if write else None, *_order(lines, found)) as writer:
+        if o.write:
+            _prepare_output(output, o.settings, o.overwrite)
+        found = _plan(lines, load_records(output) if o.write else {}, o.retry_errors, stats)
+        pipeline = RequestPipeline(llm.prompts, o.defaults, tuple(o.stop), o.system_prompt, output_options=False)
+        progress = Progress(len(found.todo), quiet=o.quiet, initial_skipped=stats.skipped, retried=stats.retried)
+        with OrderedWriter(output if o.write else None, *_order(lines, found)) as writer:
             batch = _JobOnEngine(llm, pipeline, writer, stats, progress)
             for line, duplicate in found.todo:
                 if duplicate is None:
@@ -159,17 +165,8 @@ class _JobOnEngine:
             request = self.pipeline.prepare(body, kind)
             # Longest first (by max_tokens): the job then ends with its short requests, rather than with a tail of
             # decode steps that run a few long ones in nearly empty batches. Output stays in file order.
-            priority = request.params.max_tokens
-            self.llm.text_engine.submit(
-                line.number,
-                request.prompt,
-                request.params,
-                request.stop,
-                logprobs=request.options.logprobs,
-                priority=priority,
-                grammar=request.grammar,
-                n=request.n,
-            )
+            (one,) = request.text_requests(priority=request.params.max_tokens)
+            self.llm.text_engine.submit(line.number, one)
         except Exception as e:  # a line's failure, expected (a RequestError) or not, is its record
             self.fail(line, e)
             return

@@ -24,6 +24,7 @@ cache as long as the bucket) and a decode step (one token per row, each row at i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -89,37 +90,57 @@ def rms_norm(p, x: jax.Array, eps: float) -> jax.Array:
     return (normed * p["scale"].astype(jnp.float32)).astype(x.dtype)
 
 
-def attention(
-    p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None, ops: Ops = XLA, pages=None, fresh=False
-):
-    """x [b, t, dim], positions [b, t] and their `rope_angles`; cache_k and cache_v n rows of s positions, laid out
-    as `ops.cache_layout` says -> (out, cache_k, cache_v).
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["positions", "rope", "rows", "pages"], meta_fields=["fresh"]
+)
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a call's tokens sit, in their sequences and in the KV cache: what every layer of the call shares.
 
-    `rows` [b] (optional): the cache row of each x row (n may then exceed b; an index >= n writes nothing);
-    by default row i of x is row i of the cache (n == b). `pages` [b, n] (optional): cache_k and cache_v are pools
-    of pages (`core/paged_kv.py`) and row i's sequence sits in the pages pages[i] names. `fresh`: every row is a
-    prompt from position 0 (positions[i] = 0..t-1), which a backend's kernel may attend over its own keys and values
-    (`Ops.prompt_attention`) where the cache stores them as they are."""
+    positions [b, t]: each token's position in its sequence; rope: their `rope_angles` (computed once for all the
+    layers, `Placement.of`). rows [b] (optional): the cache row of each row of tokens (the cache may then hold more
+    rows than the batch; an index past them writes nothing); by default row i of the batch is row i of the cache.
+    pages [b, n] (optional): the cache is a pool of pages (`core/paged_kv.py`) and row i's sequence sits in the
+    pages pages[i] names. fresh (static): every row is a prompt from position 0 (positions[i] = 0..t-1), which a
+    backend's kernel may attend over its own keys and values (`Ops.prompt_attention`) where the cache stores them
+    as they are."""
+
+    positions: jax.Array
+    rope: tuple[jax.Array, jax.Array]
+    rows: jax.Array | None = None
+    pages: jax.Array | None = None
+    fresh: bool = False
+
+    @staticmethod
+    def of(positions, config: ModelConfig, rows=None, pages=None, fresh: bool = False) -> Placement:
+        return Placement(positions, rope_angles(positions, config), rows, pages, fresh)
+
+
+def attention(p, c: ModelConfig, x, at: Placement, cache_k, cache_v, ops: Ops = XLA):
+    """x [b, t, dim] placed as `at` says; cache_k and cache_v n rows of s positions, laid out as `ops.cache_layout`
+    says (or pools of pages, with `at.pages`) -> (out, cache_k, cache_v)."""
     q, k, v = ops.project(x, p, QKV)
-    q, k = apply_rope(q, rope), apply_rope(k, rope)
+    positions = at.positions
+    q, k = apply_rope(q, at.rope), apply_rope(k, at.rope)
     q = q.reshape(*q.shape[:2], c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim)  # [b, t, kv, g, hd]
     as_stored = not isinstance(cache_k, int8_kv.Int8KV) and cache_k.dtype == k.dtype
-    out = ops.prompt_attention(q, k, v) if fresh and as_stored else None
+    out = ops.prompt_attention(q, k, v) if at.fresh and as_stored else None
 
     # Write this call's keys/values at their positions (rows past the cache's end are dropped).
-    if pages is not None:
+    if at.pages is not None:
+        pages = at.pages
         cache_k, cache_v = paged_kv.write(cache_k, pages, positions, k), paged_kv.write(cache_v, pages, positions, v)
         if out is None:
             out = ops.paged_attention(q, cache_k, cache_v, positions, pages)
     else:
-        at = (jnp.arange(x.shape[0]) if rows is None else rows)[:, None]
+        rows = (jnp.arange(x.shape[0]) if at.rows is None else at.rows)[:, None]
         if ops.cache_layout.transposed_keys:
-            cache_k = cache_k.at[at, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
+            cache_k = cache_k.at[rows, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
         else:
-            cache_k = int8_kv.write(cache_k, (at, slice(None), positions), k)
-        cache_v = int8_kv.write(cache_v, (at, slice(None), positions), v)
+            cache_k = int8_kv.write(cache_k, (rows, slice(None), positions), k)
+        cache_v = int8_kv.write(cache_v, (rows, slice(None), positions), v)
         if out is None:
-            out = ops.attention(q, cache_k, cache_v, positions, rows)
+            out = ops.attention(q, cache_k, cache_v, positions, at.rows)
     out = out.reshape(*out.shape[:2], c.n_heads, c.head_dim)  # [b, t, heads, head_dim]
     return ops.linear(out, p["wo"], in_dims=2), cache_k, cache_v
 
@@ -129,13 +150,12 @@ def mlp(p, x, ops: Ops = XLA):
     return ops.linear(ops.gated(x, p, *GATE_UP), p["w2"])
 
 
-@functools.partial(jax.jit, static_argnums=(1, 8, 10))
-def block(p, c: ModelConfig, x, positions, rope, cache_k, cache_v, rows=None, ops: Ops = XLA, pages=None, fresh=False):
+@functools.partial(jax.jit, static_argnums=(1, 6))
+def block(p, c: ModelConfig, x, at: Placement, cache_k, cache_v, ops: Ops = XLA):
     """One decoder layer. Jitted on its own so that tracing a model traces one layer, not n_layers of
     them (the outer jit inlines it: the compiled program is the same)."""
     normed = rms_norm(p["attention_norm"], x, c.norm_eps)
-    args = (cache_k, cache_v, rows, ops, pages, fresh)
-    h, cache_k, cache_v = attention(p["attention"], c, normed, positions, rope, *args)
+    h, cache_k, cache_v = attention(p["attention"], c, normed, at, cache_k, cache_v, ops)
     x = split_tokens(x + h)
     x = split_tokens(x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, c.norm_eps), ops))
     return x, cache_k, cache_v
@@ -173,25 +193,13 @@ def embed(params, tokens):
     return jnp.take(w, tokens, axis=0)
 
 
-def layers(
-    layer_params: list,
-    c: ModelConfig,
-    x,
-    positions,
-    cache: KVCache,
-    rows=None,
-    rope=None,
-    ops: Ops = XLA,
-    pages=None,
-    fresh: bool = False,
-):
-    """Consecutive decoder layers (their params and caches in order): x -> (x, cache). The engine runs a
-    model as a few of these programs in turn (see `engine/step.py`); `rope`: the positions' `rope_angles`, if
-    computed already; `ops`: the backend's operations (their params prepared by `ops.prepare`); `pages`: the rows'
-    page table, where the cache is paged; `fresh`: every row a prompt from its start (`attention`)."""
-    new_cache, rope = [], rope_angles(positions, c) if rope is None else rope
+def layers(layer_params: list, c: ModelConfig, x, at: Placement, cache: KVCache, ops: Ops = XLA):
+    """Consecutive decoder layers (their params and caches in order) over tokens placed as `at` says:
+    x -> (x, cache). The engine runs a model as a few of these programs in turn (see `engine/step.py`); `ops`: the
+    backend's operations (their params prepared by `ops.prepare`)."""
+    new_cache = []
     for p, (k, v) in zip(layer_params, cache, strict=True):
-        x, k, v = block(p, c, x, positions, rope, k, v, rows, ops, pages, fresh)
+        x, k, v = block(p, c, x, at, k, v, ops)
         new_cache.append((k, v))
     return x, new_cache
 
@@ -210,14 +218,6 @@ def head(params, c: ModelConfig, x, logits_at=None, ops: Ops = XLA):
 def layer_params(params, c: ModelConfig, start: int = 0, stop: int | None = None) -> list:
     """The params of layers [start, stop), in order."""
     return [params[f"layers_{i}"] for i in range(start, c.n_layers if stop is None else stop)]
-
-
-def llama(
-    params, c: ModelConfig, tokens, positions, cache: KVCache, logits_at=None, rows=None, ops: Ops = XLA, pages=None
-):
-    """tokens [b, t], positions [b, t], cache -> (logits float32, cache); see `forward`."""
-    x, cache = layers(layer_params(params, c), c, embed(params, tokens), positions, cache, rows, ops=ops, pages=pages)
-    return head(params, c, x, logits_at, ops), cache
 
 
 # ---- the declarations: every parameter's shape, logical axes and initializer -------------------------
@@ -269,16 +269,20 @@ def forward(
     tokens,
     positions,
     cache: KVCache,
+    *,
     logits_at=None,
     rows=None,
     ops: Ops = XLA,
     pages=None,
 ):
-    """The pure forward function: usable inside a caller's own `jax.jit`. `rows` [b] (optional): the cache
-    row each batch row reads and writes, when the cache holds more rows than the batch (see `attention`). `ops`: the
-    operations params were prepared for (`Ops.prepare`). `pages` [b, n] (optional): the cache is a pool of pages
-    (`core/paged_kv.py`) and these are the rows' page tables."""
-    return llama(params, config, tokens, positions, cache, logits_at, rows, ops, pages)
+    """The pure forward function, tokens [b, t] at positions [b, t] -> (logits float32, cache): usable inside a
+    caller's own `jax.jit`. `rows` [b] (optional): the cache row each batch row reads and writes, when the cache
+    holds more rows than the batch (see `Placement`). `ops`: the operations params were prepared
+    for (`Ops.prepare`). `pages` [b, n] (optional): the cache is a pool of pages (`core/paged_kv.py`) and these
+    are the rows' page tables. logits_at [b] (optional): logits [b, vocab] at these time indices only."""
+    at = Placement.of(positions, config, rows, pages)
+    x, cache = layers(layer_params(params, config), config, embed(params, tokens), at, cache, ops)
+    return head(params, config, x, logits_at, ops), cache
 
 
 def sequence_logits(params, config: ModelConfig, tokens: jax.Array, ops: Ops = XLA) -> jax.Array:

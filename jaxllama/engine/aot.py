@@ -334,8 +334,9 @@ def compile_engine(
             by_program[(name, id(compiled))] = report
     temporaries = max(p.temp_bytes + p.code_bytes for p in reports)
     fp = memory.footprint(
-        config, where.mesh, runner.slots, context, cache_dtype, temporaries, ops=engine.ops, grows=not runner.pages
+        config, where.mesh, runner.slots, context, cache_dtype, ops=engine.ops, grows=not runner.pages
     )
+    fp = dataclasses.replace(fp, temporaries=temporaries)
     data, model = where.mesh.shape["data"], where.mesh.shape["model"]
     kv_bytes = kvcache.bytes_per_layer(own, runner.slots, context, cache_dtype, runner.layout) * own.n_layers
     weights = memory.per_device_bytes(engine.ops.prepare_abstract(as_blocks(abstract_stored(own), own), own))

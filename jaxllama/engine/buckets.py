@@ -44,6 +44,9 @@ def prompt_bucket(n: int, limit: int) -> int:
 # products at their peak, few enough that its activations stay small next to the weights (8192 x the feed-forward's
 # width in float32: 50 MB for SmolLM2, 0.5 GB for Llama-3.1-8B) and that its compiled shapes stay few.
 PACKED_TOKENS = 8192
+# Prompt tokens a step computes while other slots decode (`EngineOptions.step_tokens`): on a 2-core CPU about two
+# seconds of SmolLM2's prefill, in a batch large enough for the products' tiles.
+STEP_TOKENS = 2048
 
 
 # A packed prefill's token count is a multiple of this (`token_bucket`), so that its prompts' log-probabilities may

@@ -28,7 +28,6 @@ from jaxllama.engine.options import EngineOptions
 from jaxllama.engine.request import FinishReason, Request, Update
 from jaxllama.engine.runtime import kernel_dir
 from jaxllama.engine.scheduler import Scheduler
-from jaxllama.engine.stats import EngineStats
 
 
 class Engine:
@@ -56,14 +55,13 @@ class Engine:
     ):
         options = dataclasses.replace(options or EngineOptions(), **fields)
         self.config, self.mesh = config, mesh
-        stats = EngineStats()
         start = time.perf_counter()  # building the CPU kernels (once per machine) counts as compilation
         dtype = activation_dtype(params["embedding"])  # the model's (a backend keeps the embedding for lookups)
         form = product_form(config)  # the products' weights' as stored: a block format or a dtype
         form = form if form in FORMATS else dtype
         cpu_kernels, quantize = options.cpu_kernels, options.quantize
         self.ops = ops or backends.choose(mesh, form, kernel_dir(), cpu_kernels=cpu_kernels, quantize=quantize)
-        stats.compile_s += time.perf_counter() - start
+        kernels_s = time.perf_counter() - start
         data, platform = mesh.shape["data"], mesh.devices.flat[0].platform
         cache_dtype = kvcache.dtype(options.kv_cache_dtype, self.ops.cache_dtype(dtype))
         page_size = self.ops.page_size(cache_dtype) if data == 1 else 0
@@ -76,12 +74,13 @@ class Engine:
             self.options,
             ops=self.ops,
             eos_ids=eos_ids,
-            stats=stats,
             donate_params=donate_params,
             abstract=abstract,
         )
+        stats = runner.stats
+        stats.compile_s += kernels_s
         self.runner, self.stats, self.params = runner, stats, runner.params
-        self.scheduler = Scheduler(runner, stats)
+        self.scheduler = Scheduler(runner, stats, self.options.step_tokens)
 
     # ---- the scheduler's interface ------------------------------------------------------------------
 

@@ -21,13 +21,16 @@ RUNNING, STOPPED, LENGTH = range(len(FINISH))
 @dataclasses.dataclass
 class PrefillRow:
     """One prompt to compute: `tokens` (the prompt past a reused prefix) at positions from `start`, over the first
-    `start` positions of slot `source`'s cache, into decode slot `slot` (source == slot: computed from its start)."""
+    `start` positions of slot `source`'s cache, into decode slot `slot` (source == slot: computed from its start).
+    Not `final`: the tokens are a chunk of the prompt, whose rest a later call computes (`packs_prompts` only); the
+    slot does not start decoding."""
 
     request: Request
     tokens: list[int]
     start: int
     source: int
     slot: int
+    final: bool = True
 
 
 @dataclasses.dataclass
@@ -81,6 +84,7 @@ class ModelRunnerInterface(Protocol):
     row_multiple: int  # a call's row count is a multiple of this (the mesh's data axis)
     reuse_multiple: int  # a prompt reuses another slot's prefix in multiples of this many positions
     packs_prompts: bool  # a prefill's prompts of any lengths run as one batch of their tokens, none padded
+    joins_decode: bool  # `prefill_and_decode` runs a prefill and a decode step as one call
 
     def make_room(self, needed: int, lengths: dict[int, int]) -> int:
         """Make the KV cache hold a prefill's rows' `needed` positions and each slot's first `lengths[slot]`;
@@ -92,6 +96,16 @@ class ModelRunnerInterface(Protocol):
         """Compute the rows into their slots; with `sample`, start them decoding and sample their first tokens
         (each among the tokens its row of `masks()` allows: [rows, ceil(vocab / 32)] int32 bitmasks). Where a row's
         request has `prompt_logprobs`, the answer has `prompt` (with no steps, without `sample`)."""
+
+    def prefill_and_decode(
+        self,
+        rows: Sequence[PrefillRow],
+        columns: Sequence[int],
+        params: Sequence[SamplingParams],
+        cancelled: Sequence[int] = (),
+    ) -> tuple[Sampled, Sampled]:
+        """`prefill(rows)` and `generate(columns, params, cancelled)` in one call (with `joins_decode`), the columns
+        slots that run already, none of the rows'; no masks. -> (the prefill's `Sampled`, the decode step's)."""
 
     def generate(
         self,

@@ -23,6 +23,7 @@ from jaxllama.core.cache_layout import POSITIONS_MAJOR, CacheLayout
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import KVCache
 from jaxllama.core.sharding import named_sharding
+from jaxllama.errors import InvalidOption
 
 # What the cache may be stored in (`Engine(kv_cache_dtype=...)`, `--kv-cache-dtype`); by default the weights' dtype.
 # In 16 bits a decode step reads half the bytes for attention, which long sequences at large batches are bound by
@@ -31,11 +32,11 @@ DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat
 
 
 def dtype(name: str | None, default):
-    """The cache's dtype for the name a user gave (None or "auto": `default`, the weights'); ValueError else."""
+    """The cache's dtype for the name a user gave (None or "auto": `default`, the weights'); InvalidOption else."""
     if name is None or name == "auto":
         return default
     if name not in DTYPES:
-        raise ValueError(f"kv_cache_dtype={name!r}: expected auto or one of {', '.join(DTYPES)}")
+        raise InvalidOption("kv_cache_dtype", name, f"expected auto or one of {', '.join(DTYPES)}")
     return DTYPES[name]
 
 

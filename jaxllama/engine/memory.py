@@ -104,22 +104,23 @@ def footprint(
     slots: int,
     context: int,
     cache_dtype,
-    temporaries: int = OVERHEAD,
+    *,
     stored=None,
     ops: Ops = XLA,
     grows: bool = True,
 ) -> Footprint:
     """What one accelerator device of `mesh` holds running `config` (as restored) with `slots` slots of `context`
-    positions, its weights as `ops` prepares them; `stored`: the checkpoint's config, when it stores the weights
-    otherwise (one layer restores in it). `grows`: the cache grows by buckets (a contiguous cache: one layer's new
-    copy beside the old cache at its last growth), not allocated once at its full size (a paged cache)."""
+    positions, its weights as `ops` prepares them, and OVERHEAD of the programs' temporaries (what a compiled
+    engine measures replaces it); `stored`: the checkpoint's config, when it stores the weights otherwise (one layer
+    restores in it). `grows`: the cache grows by buckets (a contiguous cache: one layer's new copy beside the old
+    cache at its last growth), not allocated once at its full size (a paged cache)."""
     cache = kvcache.abstract(config, mesh, slots, context, cache_dtype)
     layer = per_device_bytes(cache[0])
     data = mesh.shape["data"]
     state = math.ceil(slots / data) * (config.vocab_size * 5 + 1024)  # token counts (int32) and seen (bool)
     restoring = (_layer_bytes(config) + _layer_bytes(stored or config)) // mesh.shape["model"]  # restored sharded
     weights = per_device_bytes(ops.prepare_abstract(as_blocks(abstract_stored(config, mesh), config), config))
-    return Footprint(weights, layer * config.n_layers, layer if grows else 0, state, temporaries, restoring)
+    return Footprint(weights, layer * config.n_layers, layer if grows else 0, state, OVERHEAD, restoring)
 
 
 def plan(

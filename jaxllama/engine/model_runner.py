@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllama.core.config import ModelConfig
-from jaxllama.core.model import layer_params
+from jaxllama.core.model import Placement, layer_params
 from jaxllama.core.ops import Ops
 from jaxllama.core.sharding import named_sharding
 from jaxllama.engine import buckets, kvcache, step
@@ -70,13 +70,12 @@ class ModelRunner:
         *,
         ops: Ops,
         eos_ids: Sequence[int],
-        stats: EngineStats,
         donate_params: bool = False,
         abstract: bool = False,
     ):
         if len(eos_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} end-of-generation ids, got {len(eos_ids)}")
-        self.config, self.mesh, self.ops, self.stats = config, mesh, ops, stats
+        self.config, self.mesh, self.ops, self.stats = config, mesh, ops, EngineStats()
         slots, max_context, page_size = options.max_slots, options.max_context, options.page_size
         self.slots, self.max_context, self.decode_steps = slots, max_context, options.decode_steps
         cache_dtype = kvcache.dtype(options.kv_cache_dtype, None)
@@ -102,7 +101,7 @@ class ModelRunner:
         self.platform = mesh.devices.flat[0].platform
         one_device = mesh.size == 1 and jax.process_count() == 1 and self.platform == jax.default_backend()
         keep = one_device and not abstract
-        self.programs = Programs(ops, stats, self.platform, keep_exported=keep, abstract=abstract, mesh=mesh)
+        self.programs = Programs(ops, self.stats, self.platform, keep_exported=keep, abstract=abstract, mesh=mesh)
         # The weights as the backend's products read them (`params`), prepared a run of `layers_per_program` layers
         # at a time, and the params outside the layers (embedding, final norm, output): with `donate_params`, each
         # part's weights that preparing replaced are freed before the next part is prepared, so that the two copies
@@ -155,6 +154,12 @@ class ModelRunner:
         return self.ops.packed_prefill and not self.pages
 
     @property
+    def joins_decode(self) -> bool:
+        """Whether `prefill_and_decode` may run a prefill and a decode step as one call: a packed prefill's batch
+        takes a decode step's rows as they are, where a call decodes one token."""
+        return self.packs_prompts and self.decode_steps == 1
+
+    @property
     def reuse_multiple(self) -> int:
         """A prompt reuses a prefix another slot holds in multiples of this many positions (whole pages)."""
         return self.pages.page_size if self.pages else 1
@@ -201,16 +206,8 @@ class ModelRunner:
         first token may be, [rows, ceil(vocab / 32)] int32 bitmasks; called while the device runs the layers."""
         batch = _PrefillBatch.of(rows, self, masked=masks is not None)
         inputs = self._put(batch.arrays)
-        if batch.packed:
-            x = self._packed_layers(inputs, batch.copies)
-            last = (step.packed_last, (x, inputs["last"]))
-            firsts = batch.arrays["last"][: len(rows)] - [len(r.tokens) - 1 for r in rows]
-            tokens = inputs["packed_tokens"]
-        else:
-            x = self._row_layers(rows, inputs, batch)
-            last = (step.prefill_last, (x, inputs["lengths"]))
-            tokens, firsts = inputs["tokens"], None
-        prompt = self._prompt_logprobs(x, tokens, rows, firsts) if batch.prompt_logprobs else None
+        x = self._packed_layers(inputs, batch.copies) if batch.packed else self._row_layers(rows, inputs, batch)
+        prompt = self._prompt_logprobs(x, rows, batch, inputs) if batch.prompt_logprobs else None
         if not sample:
             if self.abstract:
                 return None
@@ -219,10 +216,47 @@ class ModelRunner:
                 return None
             none = np.zeros((0, len(rows)), np.int32)
             return Sampled(none, none.astype(np.float32), none.astype(bool), none, prompt=prompt)
-        x = self._call("prefill_last", *last)
+        return self._start(rows, batch, inputs, x, prompt, masks)
+
+    def prefill_and_decode(
+        self,
+        rows: Sequence[PrefillRow],
+        columns: Sequence[int],
+        params: Sequence[SamplingParams],
+        cancelled: Sequence[int] = (),
+    ) -> tuple[Sampled, Sampled]:
+        """`prefill(rows)` and `generate(columns, params, cancelled)` (of one token) as one call, where the runner
+        packs prompts and decodes a token a call: the prompts' tokens and the next token of each slot of `columns`
+        run through the layers as one batch (one pass over the weights), then the columns advance and the rows start
+        decoding. The columns are slots already running, none of the rows'. -> (the prefill's `Sampled`, the
+        decode step's)."""
+        if not self.joins_decode:
+            raise ValueError("a prefill and a decode step run as one call only where prompts are packed, 1 step a call")
+        batch = _PrefillBatch.of(rows, self, columns=columns)
+        inputs = self._put(batch.arrays)
+        x = self._packed_layers(inputs, batch.copies, decoding=True)
+        prompt = self._prompt_logprobs(x, rows, batch, inputs) if batch.prompt_logprobs else None
+        flags = SamplerFlags.of(params)
+        keep = np.ones(self.slots, bool)
+        keep[list(cancelled)] = False
+        x_decode = self._call("prefill_last", step.packed_last, (x, inputs["decode_at"]))
+        decoded = self._decode_outputs(flags, self._put(keep), x_decode, inputs["decode_slots"])
+        started = self._start(rows, batch, inputs, x, prompt)
+        if self.abstract:
+            return None
+        return started, self._sampled([decoded], flags)
+
+    def _start(self, rows: Sequence[PrefillRow], batch: _PrefillBatch, inputs, x, prompt, masks=None) -> Sampled:
+        """Put a prefill's rows in their decode slots, from its last layer's output x, and sample their first tokens
+        (`prefill`)."""
+        if batch.packed:
+            x = self._call("prefill_last", step.packed_last, (x, inputs["last"]))
+        else:
+            x = self._call("prefill_last", step.prefill_last, (x, inputs["lengths"]))
         if masks is not None:  # computed on the host while the layers run (dispatch is asynchronous)
             inputs["mask"] = self._put(_padded_masks(masks(), batch.arrays["mask"]))
-        args = (self._outer, self.state, x) + tuple(inputs[k] for k in _PrefillBatch.OUTPUT_ARGS)
+        admitted = step.Admitted(**{f.name: inputs[f.name] for f in dataclasses.fields(step.Admitted)})
+        args = (self._outer, self.state, x, admitted)
         fn = functools.partial(step.prefill_outputs, config=self.config, flags=batch.flags, ops=self.ops)
         out = self._outputs_sharding(4)
         self.state, *out = self._call("prefill_outputs", fn, args, batch.flags, donate=1, out=out)
@@ -235,15 +269,14 @@ class ModelRunner:
     def _row_layers(self, rows: Sequence[PrefillRow], inputs, batch: _PrefillBatch):
         """A prefill's layers over its rows x prompt bucket: the rows' pages, or copies of their slots' rows."""
         fn = functools.partial(step.prefill_inputs, config=self.config)
-        x, positions, rope = self._call("prefill_inputs", fn, (self._outer, inputs["tokens"], inputs["starts"]))
+        x, at = self._call("prefill_inputs", fn, (self._outer, inputs["tokens"], inputs["starts"]))
+        at = dataclasses.replace(at, fresh=batch.fresh)
         if self.pages:
             self.pages.assign([(r.slot, r.source, r.start, r.start + len(r.tokens)) for r in rows])
             slots = batch.arrays["slots"]
             table = self._put(self.pages.table(slots, self.pages.pages_for(batch.span)))
-            x = self._paged_layers("prefill_layers", x, positions, rope, table, batch.fresh)
-        else:
-            x = self._prefill_layers(x, positions, rope, inputs["sources"], inputs["slots"], batch.span, batch.fresh)
-        return x
+            return self._layers("prefill_layers", x, dataclasses.replace(at, pages=table))
+        return self._prefill_layers(x, at, inputs["sources"], inputs["slots"], batch.span)
 
     def generate(
         self,
@@ -267,33 +300,44 @@ class ModelRunner:
             width = self.pages.pages_for(buckets.bucket(longest, self.max_context))
             table = self._put(self.pages.table(columns, width))
         inputs_fn = functools.partial(step.decode_inputs, config=self.config)
-        layers_fn = functools.partial(step.decode_layers, config=self.config, ops=self.ops)
-        outputs_fn = functools.partial(step.decode_outputs, config=self.config, flags=flags, ops=self.ops)
         steps = []
         for _ in range(1 if masks else self.decode_steps):  # no host round trip between steps
-            x, positions, rope = self._call("decode_inputs", inputs_fn, (self._outer, self.state, slots))
-            if self.pages:
-                x = self._paged_layers("decode_layers", x, positions, rope, table)
-            else:
-                x = self._decode_layers(layers_fn, x, positions, rope, slots)
+            x, at = self._call("decode_inputs", inputs_fn, (self._outer, self.state, slots))
+            x = self._layers("decode_layers", x, at if not self.pages else dataclasses.replace(at, pages=table))
             mask = None
             if masks is not None:  # computed on the host while the layers run (dispatch is asynchronous)
                 mask = self._put(_padded_masks(masks(), np.full((len(columns), self.mask_words), -1, np.int32)))
-            args = (self._outer, self.state, keep, x, slots, mask)
-            self.state, *out = self._call("decode_outputs", outputs_fn, args, flags, 1, self._outputs_sharding(5))
-            steps.append(out)
+            steps.append(self._decode_outputs(flags, keep, x, slots, mask))
             keep = kept  # cancellations apply at the first step
         if self.abstract:
             return None
+        return self._sampled(steps, flags)
+
+    def _decode_outputs(self, flags: SamplerFlags, keep, x, slots, mask=None) -> list:
+        """Sample a decode step's tokens from its last layer's output x and advance the slots (`step.decode_outputs`);
+        -> its outputs, on the device."""
+        fn = functools.partial(step.decode_outputs, config=self.config, flags=flags, ops=self.ops)
+        args = (self._outer, self.state, keep, x, slots, mask)
+        self.state, *out = self._call("decode_outputs", fn, args, flags, 1, self._outputs_sharding(5))
+        return out
+
+    @staticmethod
+    def _sampled(steps: list, flags: SamplerFlags) -> Sampled:
+        """The decode steps' outputs (`_decode_outputs`) as one `Sampled`."""
         tokens, logprobs, emitted, finish, top = (list(x) for x in zip(*jax.device_get(steps), strict=True))
         top_ids, top_logprobs = (np.stack(x) for x in zip(*top, strict=True)) if flags.top else (None, None)
         return Sampled(*(np.stack(x) for x in (tokens, logprobs, emitted, finish)), top_ids, top_logprobs)
 
     # ---- programs ---------------------------------------------------------------------------------
 
-    def _prompt_logprobs(self, x, tokens, rows: Sequence[PrefillRow], firsts=None) -> list[PromptLogprobs]:
-        """Each row's `step.prompt_logprobs`, for its tokens after the first; `firsts`: a packed prefill's, each
-        row's first token's index in it (`step.packed_prompt_logprobs`)."""
+    def _prompt_logprobs(self, x, rows: Sequence[PrefillRow], batch: _PrefillBatch, inputs) -> list[PromptLogprobs]:
+        """Each row's `step.prompt_logprobs`, for its tokens after the first (a packed prefill's:
+        `step.packed_prompt_logprobs`, from each row's first token's index in it)."""
+        if batch.packed:
+            firsts = batch.arrays["last"][: len(rows)] - [len(r.tokens) - 1 for r in rows]
+            tokens = inputs["packed_tokens"]
+        else:
+            firsts, tokens = None, inputs["tokens"]
         fn = step.prompt_logprobs if firsts is None else step.packed_prompt_logprobs
         fn = functools.partial(fn, config=self.config, ops=self.ops)
         out = self._call("prompt_logprobs", fn, (self._outer, x, tokens), out=(self._replicated,) * 3)
@@ -318,55 +362,47 @@ class ModelRunner:
         """An `*_outputs` program's: the decode state as it is, then n small replicated outputs."""
         return (jax.tree.map(lambda x: x.sharding, self.state),) + (self._replicated,) * n
 
-    def _decode_layers(self, fn, x, positions, rope, slots):
-        """Every layer of a decode step, one program call per run of layers; each call updates its layers' cache."""
-        for (a, b), params in zip(self._runs, self._run_params, strict=True):
-            args = (params, x, positions, rope, self.cache[a:b], slots)
-            out = (self._activations, [self._cache_sharding] * (b - a))
-            x, self.cache[a:b] = self._call("decode_layers", fn, args, donate=4, out=out)
-        return x
-
-    def _paged_layers(self, kind: str, x, positions, rope, table, fresh: bool = False):
-        """Every layer of a prefill or decode step over a paged cache, one program call per run of layers: row i of
-        x reads and writes the pages of row i of `table`; `fresh`: a prefill whose rows all start at position 0."""
-        fn = functools.partial(step.paged_layers, config=self.config, ops=self.ops, fresh=fresh)
+    def _layers(self, kind: str, x, at: Placement):
+        """Every layer of a step over tokens x placed as `at` says (`step.step_layers`), one program call per run of
+        layers; each call updates its layers' cache."""
+        fn = functools.partial(step.step_layers, config=self.config, ops=self.ops)
         for (a, b), params in zip(self._runs, self._run_params, strict=True):
             out = (self._activations, [self._cache_sharding] * (b - a))
-            args = (params, x, positions, rope, self.cache[a:b], table)
-            x, self.cache[a:b] = self._call(kind, fn, args, ("paged", fresh), donate=4, out=out)
+            x, self.cache[a:b] = self._call(kind, fn, (params, x, at, self.cache[a:b]), donate=3, out=out)
         return x
 
-    def _packed_layers(self, inputs, copies: bool):
+    def _packed_layers(self, inputs, copies: bool, decoding: bool = False):
         """Every layer of a packed prefill over the slots' cache in place: the reused prefixes copied into the slots
         that reuse another's (`kvcache.copy_rows`, where there are `copies`), then every prompt token as a
-        row of one batch that writes and attends to its slot's row, as a decode step's rows do."""
+        row of one batch that writes and attends to its slot's row, as a decode step's rows do; `decoding`: with
+        them, the next token of each slot of `decode_slots` (`step.mixed_inputs`)."""
         if copies:
             copy = functools.partial(kvcache.copy_rows, layout=self.layout)
             caches = [self._cache_sharding] * len(self.cache)
             args = (self.cache, inputs["copy_from"], inputs["copy_to"], inputs["copy_lengths"])
             self.cache = self._call("prefill_copy", copy, args, None, 0, caches)
-        fn = functools.partial(step.prefill_inputs, config=self.config)
-        args = (self._outer, inputs["packed_tokens"][:, None], inputs["packed_positions"])
-        x, positions, rope = self._call("prefill_inputs", fn, args)
-        fn = functools.partial(step.decode_layers, config=self.config, ops=self.ops)
-        for (a, b), params in zip(self._runs, self._run_params, strict=True):
-            args = (params, x, positions, rope, self.cache[a:b], inputs["packed_slots"])
-            out = (self._activations, [self._cache_sharding] * (b - a))
-            x, self.cache[a:b] = self._call("prefill_packed", fn, args, donate=4, out=out)
-        return x
+        if decoding:
+            fn = functools.partial(step.mixed_inputs, config=self.config)
+            names = ("packed_tokens", "packed_positions", "decode_slots", "decode_at")
+            x, at = self._call("mixed_inputs", fn, (self._outer, self.state, *(inputs[k] for k in names)))
+        else:
+            fn = functools.partial(step.prefill_inputs, config=self.config)
+            args = (self._outer, inputs["packed_tokens"][:, None], inputs["packed_positions"])
+            x, at = self._call("prefill_inputs", fn, args)
+        return self._layers("prefill_packed", x, dataclasses.replace(at, rows=inputs["packed_slots"]))
 
-    def _prefill_layers(self, x, positions, rope, sources, slots, span: int, fresh: bool):
+    def _prefill_layers(self, x, at: Placement, sources, slots, span: int):
         """Every layer of a prefill, a run of layers at a time (`step.prefill_layers`): the rows' caches start empty
-        (`fresh`) or as copies of the first `span` positions of slots `sources`, and end in slots `slots`."""
+        (`at.fresh`) or as copies of the first `span` positions of slots `sources`, and end in slots `slots`."""
         take = functools.partial(kvcache.take_rows, span=span, layout=self.layout)
         put = functools.partial(kvcache.put_rows, span=span, layout=self.layout)
         cache_dtype = jnp.dtype(self.cache_dtype).name  # a static argument: a name, not a dtype object
         run_layers = functools.partial(step.prefill_layers, config=self.config, ops=self.ops, cache_dtype=cache_dtype)
         for (a, b), params in zip(self._runs, self._run_params, strict=True):
             caches = [self._cache_sharding] * (b - a)
-            rows = None if fresh else self._call("prefill_take", take, (self.cache[a:b], sources), span, out=caches)
+            rows = None if at.fresh else self._call("prefill_take", take, (self.cache[a:b], sources), span, out=caches)
             out = (self._activations, caches)
-            x, rows = self._call("prefill_layers", run_layers, (params, x, positions, rope, rows), out=out)
+            x, rows = self._call("prefill_layers", run_layers, (params, x, at, rows), out=out)
             self.cache[a:b] = self._call("prefill_put", put, (self.cache[a:b], rows, slots), span, 0, caches)
         return x
 
@@ -431,12 +467,12 @@ class _PrefillBatch:
     packed: bool = False  # the prompts' tokens as one batch over the slots' cache (`ModelRunner._packed_layers`)
     copies: bool = False  # packed: some row copies a reused prefix from another slot first
 
-    # prefill_outputs' arguments after (params, state, x), by name in `arrays`.
-    OUTPUT_ARGS = ("starts", "lengths", "slots", "seen", "sampling", "max_tokens", "limits", "stop_ids", "mask")
-
     @staticmethod
-    def of(rows: Sequence[PrefillRow], device: ModelRunner, masked: bool = False) -> _PrefillBatch:
-        """`masked`: the first tokens are drawn under bitmasks (then [n, mask_words] of ones until given)."""
+    def of(
+        rows: Sequence[PrefillRow], device: ModelRunner, masked: bool = False, columns: Sequence[int] = ()
+    ) -> _PrefillBatch:
+        """`masked`: the first tokens are drawn under bitmasks (then [n, mask_words] of ones until given).
+        `columns`: a packed prefill also runs a decode step of these slots (`ModelRunner.prefill_and_decode`)."""
         q = buckets.prompt_bucket(max(len(r.tokens) for r in rows), device.max_context)
         fresh = all(r.start == 0 for r in rows)
         span = q if fresh else buckets.bucket(max(r.start + q for r in rows), device.max_context)
@@ -449,8 +485,11 @@ class _PrefillBatch:
             stop_ids=np.full((n, MAX_STOP_IDS), -1, np.int32),
         )
         params, seeds = [], []
+        if not device.packs_prompts and not all(r.final for r in rows):
+            raise ValueError("a prompt is computed in chunks only where prompts are packed")
         for i, r in enumerate(rows):
-            a["lengths"][i], a["starts"][i], a["sources"][i], a["slots"][i] = len(r.tokens), r.start, r.source, r.slot
+            a["lengths"][i], a["starts"][i], a["sources"][i] = len(r.tokens), r.start, r.source
+            a["slots"][i] = r.slot if r.final else device.slots  # a chunk's row lands in no decode slot
             eos = () if r.request.params.ignore_eos else device.eos_ids
             ids = sorted(set(eos) | set(r.request.params.stop_token_ids))
             a["stop_ids"][i, : len(ids)] = ids
@@ -469,7 +508,7 @@ class _PrefillBatch:
                 a["seen"][i, r.request.prompt] = True
         prompt_logprobs = any(r.request.params.prompt_logprobs is not None for r in rows)
         if device.packs_prompts:
-            copies = _pack(rows, a, device)
+            copies = _pack(rows, a, device, columns)
             return _PrefillBatch(a, flags, 0, fresh, prompt_logprobs, packed=True, copies=copies)
         a["tokens"] = np.zeros((n, q), np.int32)  # the prompts, each padded to the bucket
         for i, r in enumerate(rows):
@@ -477,13 +516,15 @@ class _PrefillBatch:
         return _PrefillBatch(a, flags, span, fresh, prompt_logprobs)
 
 
-def _pack(rows: Sequence[PrefillRow], a: dict, device: ModelRunner) -> bool:
+def _pack(rows: Sequence[PrefillRow], a: dict, device: ModelRunner, columns: Sequence[int] = ()) -> bool:
     """Adds to a prefill's arrays `a` its prompts' tokens as one batch, padded to a `buckets.token_bucket`:
     packed_tokens, packed_positions and packed_slots (padding tokens land nowhere), each row's last token's index
     (`last`), and the reused prefixes to copy: `copy_lengths` positions from the slot `copy_from` into `copy_to` (one
     entry per slot, those past the copies out of range: only rows reusing another slot's prefix copy). Returns
-    whether there are any."""
-    n = buckets.token_bucket(sum(len(r.tokens) for r in rows))
+    whether there are any. With decode `columns` (slots, padded with the out-of-range `device.slots`), each one's
+    place after the prompts' tokens (`decode_at`; a padding column's past the batch) and `decode_slots`: the device
+    fills in their tokens and positions (`step.mixed_inputs`)."""
+    n = buckets.token_bucket(sum(len(r.tokens) for r in rows) + len(columns))
     tokens, positions = np.zeros(n, np.int32), np.zeros(n, np.int32)
     slots = np.full(n, device.slots, np.int32)
     a["last"] = np.full(len(a["slots"]), n, np.int32)
@@ -494,6 +535,14 @@ def _pack(rows: Sequence[PrefillRow], a: dict, device: ModelRunner) -> bool:
         slots[at : at + k] = r.slot
         at += k
         a["last"][i] = at - 1
+    if {r.slot for r in rows} & set(columns):  # a slot's stale position would be written beside its new prompt
+        raise ValueError("a prefill's rows and the decode step joined to it share a slot")
+    a["decode_slots"] = np.asarray(columns, np.int32)
+    a["decode_at"] = np.full(len(columns), n, np.int32)
+    for i, column in enumerate(columns):
+        if column < device.slots:
+            a["decode_at"][i], slots[at] = at, column
+            at += 1
     a.update(packed_tokens=tokens, packed_positions=positions, packed_slots=slots)
     copies = [r for r in rows if r.start and r.source != r.slot]
     if {r.slot for r in copies} & {r.source for r in copies}:  # `kvcache.copy_rows` copies one pair after another

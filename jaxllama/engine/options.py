@@ -2,7 +2,7 @@
 (a command's flags, `LLM.load`'s keywords), checked once there, and passed whole to the `Engine`, which fills in
 what the model, the mesh and the backend decide (`resolved`) and hands it to the model runner (`ModelRunner`).
 
-    options = EngineOptions(max_slots=16, kv_cache_dtype="bfloat16")  # ValueError here for a bad value
+    options = EngineOptions(max_slots=16, kv_cache_dtype="bfloat16")  # InvalidOption here for a bad value
     engine = Engine(config, params, mesh, options, eos_ids=[2])
 """
 
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxllama import backends
 from jaxllama.engine import buckets, kvcache
-from jaxllama.errors import is_int
+from jaxllama.errors import InvalidOption, is_int
 
 # Decoder layers per compiled program (`step.py`): SmolLM2's 30 layers run as 6 calls of one program.
 LAYERS_PER_PROGRAM = 5
@@ -36,6 +36,10 @@ class EngineOptions:
       (`Ops.cache_dtype`: float16 on the CPU kernels for float32 weights, else the weights').
     page_size: the KV cache's positions per page, 0 for a contiguous cache; None: the backend's (`Ops.page_size`:
       paged where a kernel reads the pages, on a TPU or GPU mesh of data=1).
+    step_tokens: tokens a step computes while slots decode (theirs and prompts'), where the backend runs a prefill
+      and a decode step as one call (`ModelRunner.joins_decode`): the prompts past them wait, a longer one computed
+      in chunks over steps, so that a long prompt does not hold up the running requests' next tokens (vLLM's
+      chunked prefill).
     layers_per_program: decoder layers per compiled program.
     min_cache: a contiguous cache's first length in positions (it grows by buckets).
     cpu_kernels: on one CPU device, run the CPU kernels where they build (else XLA's operations everywhere);
@@ -48,6 +52,7 @@ class EngineOptions:
     quantize: str | None = None
     kv_cache_dtype: str | None = None
     page_size: int | None = None
+    step_tokens: int = buckets.STEP_TOKENS
     layers_per_program: int = LAYERS_PER_PROGRAM
     min_cache: int = buckets.MIN_BUCKET
     cpu_kernels: bool = True
@@ -55,13 +60,13 @@ class EngineOptions:
     def __post_init__(self):
         backends.check_quantization(self.quantize)
         kvcache.dtype(self.kv_cache_dtype, None)
-        for name in ("max_slots", "layers_per_program", "min_cache"):
+        for name in ("max_slots", "step_tokens", "layers_per_program", "min_cache"):
             _check_count(name, getattr(self, name))
         for name in ("max_context", "decode_steps"):
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name))
         if self.page_size is not None and not (is_int(self.page_size) and self.page_size >= 0):
-            raise ValueError(f"page_size={self.page_size!r}: must be a whole number of positions (0: contiguous)")
+            raise InvalidOption("page_size", self.page_size, "must be a whole number of positions (0: contiguous)")
 
     def resolved(self, max_seq_len: int, data: int, platform: str, cache_dtype, page_size: int) -> EngineOptions:
         """These options with every choice made: slots a multiple of the mesh's `data` axis, the context at most the
@@ -80,4 +85,4 @@ class EngineOptions:
 
 def _check_count(name: str, value) -> None:
     if not (is_int(value) and value >= 1):
-        raise ValueError(f"{name}={value!r}: must be a positive integer")
+        raise InvalidOption(name, value, "must be a positive integer")

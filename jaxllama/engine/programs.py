@@ -29,6 +29,7 @@ import jaxlib
 from jax import export
 
 from jaxllama.core.int8_kv import Int8KV
+from jaxllama.core.model import Placement
 from jaxllama.core.ops import Ops
 from jaxllama.engine.runtime import program_cache
 from jaxllama.engine.sampling import SamplingRows
@@ -41,7 +42,7 @@ PACKAGE = Path(__file__).resolve().parents[1]
 MAGIC = b"jaxllama exported program 2\n"
 # The dataclasses a kept program's outputs may hold besides tuples, lists, dicts and None. A program whose outputs
 # hold another node runs, but is not kept.
-KEPT_NODES = (DecodeState, SamplingRows, Int8KV)
+KEPT_NODES = (DecodeState, SamplingRows, Int8KV, Placement)
 
 
 def json_tuples(value):

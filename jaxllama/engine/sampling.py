@@ -8,6 +8,7 @@ the token being drawn: the same seed gives the same tokens whatever else shares 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -138,29 +139,30 @@ def apply_mask(logits, mask):
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-def sample(
-    logits,
-    rows: SamplingRows,
-    step,
-    flags: SamplerFlags,
-    counts=None,
-    seen=None,
-    ops: Ops = XLA,
-    stop_ids=None,
-    mask=None,
-):
-    """Draw one token per row. logits [b, v] float32; step [b]: index of the token being drawn; an all-greedy batch
-    takes its tokens from `ops.greedy`. stop_ids [b, e]: each row's end-of-generation ids (for min_tokens). mask
+class RowHistory(NamedTuple):
+    """What each row drew before, as the sampler reads it: step [b] (tokens drawn so far: folded into the random
+    key, and stop ids are held while it is below min_tokens), stop_ids [b, e] (end-of-generation ids, padded with
+    -1), counts [b, v] (generated-token counts) and seen [b, v] (prompt or generated tokens), for the penalties."""
+
+    step: jax.Array
+    stop_ids: jax.Array | None = None
+    counts: jax.Array | None = None
+    seen: jax.Array | None = None
+
+
+def sample(logits, rows: SamplingRows, history: RowHistory, flags: SamplerFlags, ops: Ops = XLA, mask=None):
+    """Draw one token per row. logits [b, v] float32; an all-greedy batch takes its tokens from `ops.greedy`. mask
     [b, ceil(v / 32)] int32 (with `flags.mask`): the tokens each row may draw, as a bitmask (all ones: any).
 
     Returns (tokens [b] int32, logprobs [b] float32: log-probability of each token under the model's
     distribution after penalties and temperature, before top-k/top-p/min-p truncation, top: `top_logprobs`' pair
     from that same distribution, with `flags.top`, else None).
     """
+    step = history.step
     if flags.hold_stops:
-        logits = hold_stops(logits, rows, step, stop_ids)
+        logits = hold_stops(logits, rows, step, history.stop_ids)
     if flags.penalize:
-        logits = apply_penalties(logits, rows, counts, seen)
+        logits = apply_penalties(logits, rows, history.counts, history.seen)
     if flags.bias:
         logits = apply_bias(logits, rows)
     if flags.mask:

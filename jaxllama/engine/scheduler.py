@@ -2,9 +2,12 @@
 Plain Python over a model runner that keeps `interface.ModelRunnerInterface`; no jax here.
 
 Each `step()` ends the requests `finish` was called for, admits waiting requests into free slots (the highest
-`priority` first, then in order of arrival; one prefill call per prompt-length bucket), then runs one decode call
-for every running slot and returns the new tokens of each request. A finished sequence frees its slot for the next
-request at once; nobody waits for the longest one.
+`priority` first, then in order of arrival; one prefill call per prompt-length bucket, or where the runner packs
+prompts, per PACKED_TOKENS of them), then runs one decode call for every running slot and returns the new tokens of
+each request. Where the runner joins them (`joins_decode`), the decode step runs in the step's last prefill call,
+and while slots decode a step computes at most `step_tokens` prompt tokens: a longer prompt is computed in chunks
+over several steps (`partial`), so that it delays the running requests by a chunk, not by the whole prompt. A
+finished sequence frees its slot for the next request at once; nobody waits for the longest one.
 
 A prompt that starts with tokens some slot's cache already holds (a shared system prompt, the earlier turns of a
 conversation) reuses their keys/values and computes only the rest (`prefix.py`); the reused count is reported as
@@ -28,6 +31,9 @@ from jaxllama.engine.request import FinishReason, Request, SamplingParams, Timin
 from jaxllama.engine.stats import EngineStats
 from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
 
+# The fewest prompt tokens a step starts a prompt with: with less room left, it waits for the next step.
+MIN_CHUNK = 16
+
 
 @dataclasses.dataclass
 class _Slot:
@@ -41,15 +47,28 @@ class _Slot:
     prompt_logprobs: PromptLogprobs | None = None  # of the prompt's tokens after the first, when computed
 
 
+@dataclasses.dataclass
+class _Partial:
+    """A prompt computed in chunks (`EngineOptions.step_tokens`), holding its slot between them."""
+
+    request: Request
+    done: int  # its first `done` tokens are in the slot's cache
+    prefill_start: float
+    cached: int  # tokens its first chunk reused from another request's
+
+
 class Scheduler:
     """Generates for many requests at once on one model runner. Not thread-safe: one thread drives `step()`."""
 
-    def __init__(self, runner: ModelRunnerInterface, stats: EngineStats | None = None):
-        self.runner = runner
+    def __init__(
+        self, runner: ModelRunnerInterface, stats: EngineStats | None = None, step_tokens: int = buckets.STEP_TOKENS
+    ):
+        self.runner, self.step_tokens = runner, step_tokens
         self.slots, self.max_context, self.eos_ids = runner.slots, runner.max_context, tuple(runner.eos_ids)
         self.stats = stats or EngineStats()
         self.queue: collections.deque[Request] = collections.deque()
         self.active: dict[int, _Slot] = {}  # slot -> the request running there
+        self.partial: dict[int, _Partial] = {}  # slot -> the prompt computed there in chunks, not yet running
         self.prefixes = ResidentPrefixes(self.slots, runner.reuse_multiple)
         self._kept = runner.max_context  # the positions the slots' caches keep (`_make_room`)
         self.ending: dict[int, tuple[FinishReason, str | None]] = {}  # slot -> why `finish` ends it
@@ -103,20 +122,27 @@ class Scheduler:
             if r.id == request_id:
                 del self.queue[i]
                 return
+        for slot, p in self.partial.items():
+            if p.request.id == request_id:
+                del self.partial[slot]  # its slot keeps the prompt's computed part (`prefixes`)
+                return
         for slot, s in self.active.items():
             if s.request.id == request_id:
                 self.ending.setdefault(slot, (reason, stop_reason))
 
     def is_waiting(self, request_id) -> bool:
-        return any(r.id == request_id for r in self.queue)
+        """Whether the request has sampled nothing yet: queued, or its prompt computed in part."""
+        return any(r.id == request_id for r in self.queue) or any(
+            p.request.id == request_id for p in self.partial.values()
+        )
 
     @property
     def running(self) -> int:
         """Requests holding a slot."""
-        return len(self.active)
+        return len(self.active) + len(self.partial)
 
     def has_work(self) -> bool:
-        return bool(self.queue or self.active)
+        return bool(self.queue or self.active or self.partial)
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Update]:
         """Run requests to completion, yielding updates as they come."""
@@ -127,8 +153,9 @@ class Scheduler:
 
     def step(self) -> list[Update]:
         updates = self._end_finished()
-        updates += self._admit()
-        if self.active:
+        admitted, decoded = self._admit()
+        updates += admitted
+        if self.active and not decoded:
             updates += self._decode()
         return updates
 
@@ -146,34 +173,84 @@ class Scheduler:
         self.ending.clear()
         return out
 
-    def _admit(self) -> list[Update]:
-        free = [i for i in range(self.slots) if i not in self.active]
+    def _admit(self) -> tuple[list[Update], bool]:
+        """Start waiting requests in free slots, and go on with prompts computed in part -> (their updates, whether
+        the step's decode ran with them: its running slots decoded in their last prefill call,
+        `_prefill_and_decode`). While slots decode there, a step computes at most `step_tokens` prompt tokens: a
+        prompt past them is computed in chunks over the next steps, and requests that do not fit wait."""
+        free = [i for i in range(self.slots) if i not in self.active and i not in self.partial]
         take = self._next_requests(len(free))
-        if not take:
-            return []
-        self._compute_shared_prefixes(take, free)
+        if not take and not self.partial:
+            return [], False
+        if take:
+            self._compute_shared_prefixes(take, free)
+        # The step's decode rows count as its tokens: then a budget of whole packing steps pads nothing.
+        left = self.step_tokens - len(self.active) if self.active and self.runner.joins_decode else None
+        planned: list[tuple[PrefillRow | tuple[Request, int | None], int]] = []  # (a chunk or (request, limit), n)
+        for slot in sorted(self.partial):
+            row = self._next_chunk(slot, left)
+            if row is not None:
+                planned.append((row, len(row.tokens)))
+                left = None if left is None else left - len(row.tokens)
+        for k, r in enumerate(take):
+            n = len(r.prompt) - self.prefixes.best(r.prompt, logprobs=_wants_prompt_logprobs(r))[1]
+            if left is not None and n > left and left < MIN_CHUNK:  # no room for a chunk worth a slot
+                self.queue.extendleft(reversed(take[k:]))
+                break
+            planned.append(((r, left), n if left is None else min(n, left)))
+            left = None if left is None else left - min(n, left)
         # One call per prompt bucket (its prompts padded to one length), or where the runner packs prompts, one per
         # PACKED_TOKENS of them.
         calls, packed, call = collections.defaultdict(list), 0, 0
-        for r in take:
-            n = len(r.prompt) - self.prefixes.best(r.prompt, logprobs=_wants_prompt_logprobs(r))[1]
+        for item, n in planned:
             if self.runner.packs_prompts:
                 if packed and packed + n > buckets.PACKED_TOKENS:
                     call, packed = call + 1, 0
                 packed += n
-                calls[0, call].append(r)
+                calls[0, call].append(item)
             else:
-                calls[buckets.prompt_bucket(n, self.max_context), 0].append(r)
-        updates = []
-        for _, group in sorted(calls.items()):
-            # Sources are chosen just before each call: the cache then holds what `prefixes` says.
-            rows, call = [], self._prefill_call([(r.prompt, _wants_prompt_logprobs(r)) for r in group])
-            for r in group:
-                source, start, slot = self._place(r.prompt, _wants_prompt_logprobs(r), free, call)
-                free.remove(slot)
-                rows.append(PrefillRow(r, r.prompt[start:], start, source, slot))
+                calls[buckets.prompt_bucket(n, self.max_context), 0].append(item)
+        updates, groups = [], [group for _, group in sorted(calls.items())]
+        for i, group in enumerate(groups):
+            rows = self._place_group(group, free)
+            if i == len(groups) - 1 and self._joins_decode(rows):
+                return updates + self._prefill_and_decode(rows), True
             updates += self._prefill(rows)
-        return updates
+        return updates, False
+
+    def _place_group(self, group: list, free: list[int]) -> list[PrefillRow]:
+        """The rows of one prefill call: its chunks of prompts computed in part as they are, and each request placed
+        (`_place`; just before the call, when the cache holds what `prefixes` says), at most `limit` tokens of it."""
+        requests = [item[0] for item in group if not isinstance(item, PrefillRow)]
+        rows, call = [], self._prefill_call([(r.prompt, _wants_prompt_logprobs(r)) for r in requests])
+        for item in group:
+            if isinstance(item, PrefillRow):
+                rows.append(item)
+                continue
+            r, limit = item
+            source, start, slot = self._place(r.prompt, _wants_prompt_logprobs(r), free, call)
+            free.remove(slot)
+            end = len(r.prompt) if limit is None else min(len(r.prompt), start + limit)
+            rows.append(PrefillRow(r, r.prompt[start:end], start, source, slot, final=end == len(r.prompt)))
+        return rows
+
+    def _next_chunk(self, slot: int, left: int | None) -> PrefillRow | None:
+        """The next chunk of the prompt computed in part in `slot`, of at most `left` tokens (None: all the rest), or
+        None where no progress fits. A prompt whose log-probabilities are wanted computes its last computed token
+        again: that position gives the next token's log-probability."""
+        p = self.partial[slot]
+        prompt, start = p.request.prompt, p.done - _wants_prompt_logprobs(p.request)
+        end = len(prompt) if left is None else min(len(prompt), start + left)
+        if end <= p.done:
+            return None
+        return PrefillRow(p.request, prompt[start:end], start, slot, slot, final=end == len(prompt))
+
+    def _joins_decode(self, rows: list[PrefillRow]) -> bool:
+        """Whether the step's decode may run in the prefill call of these rows: where the runner joins them, some
+        slot is running, and no row of either draws under a constraint (whose mask comes before each token)."""
+        constrained = any(r.request.constraint is not None for r in rows)
+        constrained |= any(s.request.constraint is not None for s in self.active.values())
+        return self.runner.joins_decode and bool(self.active) and not constrained
 
     def _next_requests(self, n: int) -> list[Request]:
         """Take up to n queued requests: the highest priority first, in order of arrival among equals."""
@@ -232,25 +309,62 @@ class Scheduler:
 
     def _prefill(self, rows: list[PrefillRow], sample: bool = True) -> list[Update]:
         """Compute the rows and start them decoding; without `sample`, only fill the caches (a shared prefix)."""
-        q = buckets.prompt_bucket(max(len(r.tokens) for r in rows), self.max_context)
-        self._make_room(max(r.start + q for r in rows))
+        self._make_room(self._positions(rows))
         compiling, start = self.stats.compile_s, time.perf_counter()
         masks = self._masks([r.request.constraint for r in rows]) if sample else None
         out = self.runner.prefill(rows, sample, masks) if masks else self.runner.prefill(rows, sample)
         now = time.perf_counter()
+        self._count_prefill(rows, now - start - (self.stats.compile_s - compiling))
+        return self._start(rows, out, start, now, sample)
+
+    def _prefill_and_decode(self, rows: list[PrefillRow]) -> list[Update]:
+        """`_prefill(rows)` and `_decode()` as one call of the runner (one pass over the weights for both): the
+        running slots advance by a token while the rows' prompts are computed; the rows start decoding next step."""
+        self._make_room(self._positions(rows))
+        columns = self._decode_columns(every=False)  # never a slot the rows are computed into
+        cancelled, self._stopping = sorted(self._stopping), set()
+        params = [s.request.params for s in self.active.values()]
+        compiling, start = self.stats.compile_s, time.perf_counter()
+        started, decoded = self.runner.prefill_and_decode(rows, columns, params, cancelled)
+        now = time.perf_counter()
+        # The call's time counts as prefill and decode by their shares of its tokens.
+        seconds, prompt_tokens = now - start - (self.stats.compile_s - compiling), sum(len(r.tokens) for r in rows)
+        prefill_share = prompt_tokens / (prompt_tokens + len(self.active))
+        self._count_prefill(rows, seconds * prefill_share)
+        updates = self._start(rows, started, start, now)
+        return updates + self._decoded(columns, decoded, seconds * (1 - prefill_share))
+
+    def _positions(self, rows: list[PrefillRow]) -> int:
+        """The cache positions a prefill of these rows writes: each row's prompt, padded to one bucket unless the
+        runner packs prompts (a packed chunk that starts past its slot's first positions would overshoot)."""
+        if self.runner.packs_prompts:
+            return max(r.start + len(r.tokens) for r in rows)
+        q = buckets.prompt_bucket(max(len(r.tokens) for r in rows), self.max_context)
+        return max(r.start + q for r in rows)
+
+    def _count_prefill(self, rows: list[PrefillRow], seconds: float) -> None:
         self.stats.prefill_calls += 1
         self.stats.prefill_tokens += sum(len(r.tokens) for r in rows)
-        self.stats.prefill_s += now - start - (self.stats.compile_s - compiling)
+        self.stats.prefill_s += seconds
+
+    def _start(self, rows: list[PrefillRow], out: Sampled | None, start: float, now: float, sample=True) -> list:
+        """The slots hold the rows' prompts, computed by a call from `start` to `now` that sampled `out`; with
+        `sample`, the rows run from their first tokens on -> their updates."""
         prompt_logprobs = self._prompt_logprobs(rows, out)
         for r, logprobs in zip(rows, prompt_logprobs, strict=True):
-            self.prefixes.hold(r.slot, r.request.prompt, logprobs)
+            self.prefixes.hold(r.slot, r.request.prompt[: r.start + len(r.tokens)], logprobs)
         if not sample:
             return []
         updates = []
         for i, r in enumerate(rows):
             self._stopping.discard(r.slot)  # refilled: the slot's new request must not be stopped
-            self.stats.cached_tokens += r.start
-            s = _Slot(r.request, len(r.request.prompt), 0, start, now, r.start, prompt_logprobs=prompt_logprobs[i])
+            earlier = self.partial.pop(r.slot, None)
+            began, cached = (earlier.prefill_start, earlier.cached) if earlier else (start, r.start)
+            if not r.final:
+                self.partial[r.slot] = _Partial(r.request, r.start + len(r.tokens), began, cached)
+                continue
+            self.stats.cached_tokens += cached
+            s = _Slot(r.request, len(r.request.prompt), 0, began, now, cached, prompt_logprobs=prompt_logprobs[i])
             self.active[r.slot] = s
             updates += self._advance(r.slot, s, out, i, first=True)
         return updates
@@ -284,7 +398,11 @@ class Scheduler:
             out = self.runner.generate(columns, params, cancelled, masks)
         else:
             out = self.runner.generate(columns, params, cancelled)
-        self.stats.decode_s += time.perf_counter() - start - (self.stats.compile_s - compiling)
+        return self._decoded(columns, out, time.perf_counter() - start - (self.stats.compile_s - compiling))
+
+    def _decoded(self, columns: list[int], out: Sampled, seconds: float) -> list[Update]:
+        """What a decode call of `columns` that took `seconds` sampled (`out`), as the running requests' updates."""
+        self.stats.decode_s += seconds
         self.stats.decode_steps += out.tokens.shape[0]
         self.stats.slot_steps += int(out.emitted.sum())
         updates = []
@@ -345,21 +463,23 @@ class Scheduler:
         stop_token = tokens[-1] if code == STOPPED else None
         return [_final_update(s, tokens, logprobs, reason, stop_token, **extra)]
 
-    def _decode_columns(self) -> list[int]:
+    def _decode_columns(self, every: bool = True) -> list[int]:
         """The slots a decode call runs: every slot, or, when few are active, just those (padded with the
-        out-of-range index `slots` to the next of ROW_BUCKETS): a step's cost grows with its rows."""
+        out-of-range index `slots` to the next of ROW_BUCKETS): a step's cost grows with its rows. Without `every`,
+        the active slots padded to as many as there are slots."""
         active = sorted(self.active)
         for size in buckets.ROW_BUCKETS:
             size = buckets.round_up(size, self.runner.row_multiple)
             if len(active) <= size < self.slots:
                 return active + [self.slots] * (size - len(active))
-        return list(range(self.slots))
+        return list(range(self.slots)) if every else active + [self.slots] * (self.slots - len(active))
 
     def _make_room(self, needed: int) -> None:
         """The cache holds `needed` positions for the rows about to be computed and every active sequence's next
         decode call; what the slots held past what it keeps is forgotten."""
         steps = self.runner.decode_steps
         lengths = {slot: s.length + s.generated + steps for slot, s in self.active.items()}
+        lengths |= {slot: p.done for slot, p in self.partial.items()}
         start = time.perf_counter()
         kept = self.runner.make_room(needed, lengths)
         if kept < self._kept:

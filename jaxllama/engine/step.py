@@ -27,12 +27,12 @@ import jax.numpy as jnp
 
 from jaxllama.core import int8_kv
 from jaxllama.core.config import ModelConfig
-from jaxllama.core.model import KVCache, embed, head, layers, rope_angles
+from jaxllama.core.model import KVCache, Placement, embed, head, layers
 from jaxllama.core.ops import XLA, Ops
 from jaxllama.engine import buckets
 from jaxllama.engine.interface import LENGTH, RUNNING, STOPPED
 from jaxllama.engine.request import MAX_LOGPROBS
-from jaxllama.engine.sampling import SamplerFlags, SamplingRows, sample
+from jaxllama.engine.sampling import RowHistory, SamplerFlags, SamplingRows, sample
 
 
 @jax.tree_util.register_dataclass
@@ -82,31 +82,22 @@ def _advance(state: DecodeState, tokens, was_active, penalties: bool):
 
 
 def decode_inputs(params, state: DecodeState, slots=None, *, config: ModelConfig):
-    """A decode step's inputs: the next token of each row, embedded [b, 1, dim], its position [b, 1] and that
-    position's `rope_angles` (computed here once for all the step's layer programs). slots [b] int32 (optional):
-    run only these slots (an index >= s pads the batch), so that a few active sequences do not pay for all s
-    rows."""
+    """A decode step's inputs: the next token of each row, embedded [b, 1, dim], and its `Placement` (its position
+    [b, 1] with the position's rotary angles, computed here once for all the step's layer programs). slots [b] int32
+    (optional): run only these slots (an index >= s pads the batch), so that a few active sequences do not pay for
+    all s rows; each row then reads and writes its slot's row of the cache."""
     tokens, positions = state.tokens, state.positions
     if slots is not None:
         tokens, positions = (jnp.take(x, slots, axis=0, mode="clip") for x in (tokens, positions))
-    positions = positions[:, None]
-    return embed(params, tokens[:, None]), positions, rope_angles(positions, config)
+    return embed(params, tokens[:, None]), Placement.of(positions[:, None], config, rows=slots)
 
 
-def decode_layers(layer_params, x, positions, rope, cache: KVCache, slots=None, *, config: ModelConfig, ops: Ops = XLA):
-    """Some consecutive layers of a decode step; each row reads and writes its slot's row of their cache. `rope`:
-    the positions' rotary angles (`decode_inputs`)."""
-    return layers(layer_params, config, x, positions, cache, rows=slots, rope=rope, ops=ops)
-
-
-def paged_layers(
-    layer_params, x, positions, rope, cache: KVCache, pages, *, config: ModelConfig, ops: Ops = XLA, fresh=False
-):
-    """Some consecutive layers of a prefill or a decode step over a paged cache (`core/paged_kv.py`): row i of x
-    reads and writes the pages pages[i] names. The pool never changes shape, so a prefill's programs are compiled per
-    rows x tokens x pages read, as a decode step's per rows x pages read. `fresh`: a prefill whose every row starts
-    at position 0 (`model.attention`)."""
-    return layers(layer_params, config, x, positions, cache, rope=rope, ops=ops, pages=pages, fresh=fresh)
+def step_layers(layer_params, x, at: Placement, cache: KVCache, *, config: ModelConfig, ops: Ops = XLA):
+    """Some consecutive layers of a decode step, a packed prefill (each prompt token a row that reads and writes
+    its slot's row of the cache) or any step over a paged cache (row i of x reads and writes the pages `at.pages[i]`
+    names: the pool never changes shape, so a prefill's programs are compiled per rows x tokens x pages read, as a
+    decode step's per rows x pages read)."""
+    return layers(layer_params, config, x, at, cache, ops)
 
 
 def decode_outputs(
@@ -131,9 +122,8 @@ def decode_outputs(
     state = dataclasses.replace(state, active=state.active & keep)
     rows = state if slots is None else _gather(state, slots)
     logits = head(params, config, x[:, 0], ops=ops)
-    tokens, logprobs, top = sample(
-        logits, rows.rows, rows.step, flags, rows.counts, rows.seen, ops, rows.stop_ids, mask
-    )
+    history = RowHistory(rows.step, rows.stop_ids, rows.counts, rows.seen)
+    tokens, logprobs, top = sample(logits, rows.rows, history, flags, ops, mask)
     was_active = rows.active
     rows, finish = _advance(rows, tokens, was_active, flags.penalize)
     state = rows if slots is None else _scatter(state, rows, slots, flags.penalize)
@@ -160,28 +150,35 @@ def _scatter(state: DecodeState, rows: DecodeState, slots, penalties: bool) -> D
 
 
 def prefill_inputs(params, tokens, starts, *, config: ModelConfig):
-    """A prefill's inputs: prompt tokens [n, q] (padded) embedded [n, q, dim], their positions [n, q] (row i
-    starts at starts[i]) and the positions' `rope_angles`."""
+    """A prefill's inputs: prompt tokens [n, q] (padded) embedded [n, q, dim], and their `Placement`: positions
+    [n, q] (row i starts at starts[i]) with their rotary angles."""
     positions = starts[:, None] + jnp.arange(tokens.shape[1])[None, :]
-    return embed(params, tokens), positions, rope_angles(positions, config)
+    return embed(params, tokens), Placement.of(positions, config)
+
+
+def mixed_inputs(params, state: DecodeState, tokens, positions, slots, at, *, config: ModelConfig):
+    """A packed prefill's inputs with a decode step's rows among them: prompt tokens [t] at positions [t] as the
+    host packed them, where at [c] (an index >= t: none) the next token of slot slots[c] goes, at its position."""
+    tokens = tokens.at[at].set(jnp.take(state.tokens, slots, mode="clip"), mode="drop")
+    positions = positions.at[at].set(jnp.take(state.positions, slots, mode="clip"), mode="drop")
+    return prefill_inputs(params, tokens[:, None], positions, config=config)
 
 
 def prefill_layers(
-    layer_params, x, positions, rope, rows: KVCache | None, *, config: ModelConfig, ops: Ops = XLA, cache_dtype=None
+    layer_params, x, at: Placement, rows: KVCache | None, *, config: ModelConfig, ops: Ops = XLA, cache_dtype=None
 ):
-    """Some consecutive layers of a prefill (`rope`: the positions' rotary angles, from `prefill_inputs`), over the
-    rows' own caches: `rows` per layer holds, for each of the n
-    rows, the first `span` positions of a slot that already computed a prefix of its prompt (`kvcache.take_rows`),
-    or is None for prompts computed from their start (span = x's length). Returns (x, rows with the new tokens'
-    keys/values), which `kvcache.put_rows` then stores in the rows' slots. The slots' cache is no input here, so
-    that these programs, the costliest to compile, are compiled per rows x tokens x span and not also per cache
-    length. `cache_dtype`: the slots' cache's (default x's), which fresh rows' caches take, so that a prompt attends
-    over the same rounded keys and values whether or not it starts from a stored prefix."""
+    """Some consecutive layers of a prefill (`at` from `prefill_inputs`), over the rows' own caches: `rows` per
+    layer holds, for each of the n rows, the first `span` positions of a slot that already computed a prefix of its
+    prompt (`kvcache.take_rows`), or is None for prompts computed from their start (span = x's length). Returns (x,
+    rows with the new tokens' keys/values), which `kvcache.put_rows` then stores in the rows' slots. The slots'
+    cache is no input here, so that these programs, the costliest to compile, are compiled per rows x tokens x span
+    and not also per cache length. `cache_dtype`: the slots' cache's (default x's), which fresh rows' caches take,
+    so that a prompt attends over the same rounded keys and values whether or not it starts from a stored prefix."""
     fresh = rows is None
     if fresh:
         shapes = ops.cache_layout.shapes(config, x.shape[0], x.shape[1])
         rows = [tuple(int8_kv.zeros(shape, cache_dtype or x.dtype) for shape in shapes)] * len(layer_params)
-    return layers(layer_params, config, x, positions, rows, rope=rope, ops=ops, fresh=fresh)
+    return layers(layer_params, config, x, dataclasses.replace(at, fresh=fresh), rows, ops)
 
 
 def prefill_last(x, lengths):
@@ -197,29 +194,32 @@ def packed_last(x, last):
     return jnp.take(x, last, axis=0, mode="clip")
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Admitted:
+    """The rows a prefill puts in decode slots, [n] each (padding rows' slots out of range): row i computed prompt
+    tokens [starts[i], starts[i] + lengths[i]) and goes to slot slots[i], with its sampling parameters, its token
+    budget (`max_tokens`), its context limit (`limits`) and end-of-generation ids (`stop_ids` [n, e], padded with
+    -1). seen [n, vocab]: the whole prompt's tokens, for the repetition penalty (or [n, 1] when no row uses
+    penalties). mask [n, ceil(vocab / 32)] int32: the tokens each row's first token may be (with `flags.mask`; else
+    [n, 1], unread)."""
+
+    starts: jax.Array
+    lengths: jax.Array
+    slots: jax.Array
+    seen: jax.Array
+    sampling: SamplingRows
+    max_tokens: jax.Array
+    limits: jax.Array
+    stop_ids: jax.Array
+    mask: jax.Array
+
+
 def prefill_outputs(
-    params,
-    state: DecodeState,
-    x,
-    starts,
-    lengths,
-    slots,
-    seen,
-    new_rows: SamplingRows,
-    max_tokens,
-    limits,
-    stop_ids,
-    mask,
-    *,
-    config: ModelConfig,
-    flags: SamplerFlags,
-    ops: Ops = XLA,
+    params, state: DecodeState, x, new: Admitted, *, config: ModelConfig, flags: SamplerFlags, ops: Ops = XLA
 ):
     """Finish a prefill from the last layer's output at each row's last prompt token, x [n, 1, dim]: sample each
-    row's first token and put the rows in decode slots `slots`. Row i computed prompt
-    tokens [starts[i], starts[i] + lengths[i]). seen [n, vocab]: the whole prompt's tokens, for the
-    repetition penalty (or [n, 1] when no row uses penalties). mask [n, ceil(vocab / 32)] int32: the tokens each
-    row's first token may be (with `flags.mask`; else [n, 1], unread).
+    row's first token and put the rows in their decode slots.
 
     Returns (state, first tokens [n], logprobs [n], finish [n]: FINISH codes, RUNNING unless the first token
     already ended the row, top: as `decode_outputs`').
@@ -227,29 +227,29 @@ def prefill_outputs(
     n = x.shape[0]
     logits = head(params, config, x[:, 0], ops=ops)
     vocab = state.counts.shape[1]
-    if seen.shape[1] != vocab:
-        seen = jnp.zeros((n, vocab), bool)
+    seen = new.seen if new.seen.shape[1] == vocab else jnp.zeros((n, vocab), bool)
     zeros = jnp.zeros((n,), jnp.int32)
     counts = jnp.zeros((n, vocab), jnp.int32)
-    first, logprobs, top = sample(logits, new_rows, zeros, flags, counts, seen, ops, stop_ids, mask)
+    history = RowHistory(zeros, new.stop_ids, counts, seen)
+    first, logprobs, top = sample(logits, new.sampling, history, flags, ops, new.mask)
 
     fresh = DecodeState(
         tokens=jnp.full((n,), -1, jnp.int32),
-        positions=starts + lengths - 1,
+        positions=new.starts + new.lengths - 1,
         active=jnp.ones((n,), bool),
-        remaining=max_tokens,
-        limit=limits,
+        remaining=new.max_tokens,
+        limit=new.limits,
         step=zeros,
-        stop_ids=stop_ids,
-        rows=new_rows,
-        counts=jnp.zeros((n, vocab), jnp.int32),
+        stop_ids=new.stop_ids,
+        rows=new.sampling,
+        counts=counts,
         seen=seen,
     )
     # The first token is sampled as if from a decode step at the prompt's last position.
     fresh, finish = _advance(fresh, first, jnp.ones((n,), bool), flags.penalize)
-    if stop_ids.shape[1] != state.stop_ids.shape[1]:
+    if new.stop_ids.shape[1] != state.stop_ids.shape[1]:
         raise ValueError("stop_ids width mismatch")
-    return _scatter(state, fresh, slots, flags.penalize), first, logprobs, finish, top
+    return _scatter(state, fresh, new.slots, flags.penalize), first, logprobs, finish, top
 
 
 def prompt_logprobs(params, x, tokens, *, config: ModelConfig, ops: Ops = XLA):

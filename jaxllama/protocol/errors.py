@@ -17,6 +17,7 @@ from jaxllama.errors import (
     EngineUnavailable,
     InvalidJSON,
     InvalidMessages,
+    InvalidOption,
     InvalidParameter,
     InvalidRequest,
     ModelTooLarge,
@@ -55,6 +56,8 @@ ERRORS: dict[type[BaseException], ErrorKind] = {
     ClientClosed: ErrorKind("client_closed", 499),
     CheckpointError: ErrorKind("model_error", 503, "server_error"),
     ModelTooLarge: ErrorKind("model_too_large", 503, "server_error"),
+    # The engine's own options (a load's), not the request's: the service is misconfigured.
+    InvalidOption: ErrorKind("invalid_option", 503, "server_error"),
     Exception: ErrorKind("internal_error", 500, "server_error"),
 }
 

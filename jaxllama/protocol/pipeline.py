@@ -15,6 +15,7 @@ from jaxllama.engine.request import SamplingParams
 from jaxllama.errors import InvalidParameter, InvalidRequest
 from jaxllama.protocol.requests import OutputOptions, parse_body
 from jaxllama.text.structured import Grammar, OutputFormat
+from jaxllama.text_engine import TextRequest
 
 
 class Encoder(Protocol):
@@ -48,6 +49,14 @@ class PreparedRequest:
     def prompt(self) -> list[int]:
         """The prompt of a request of one."""
         return self.prompts[0]
+
+    def text_requests(self, priority: int = 0) -> list[TextRequest]:
+        """What the engine runs for it: a request per prompt, each of `n` samples."""
+        logprobs = self.options.logprobs
+        return [
+            TextRequest(p, self.params, self.stop, False, logprobs, priority, self.grammar, self.n)
+            for p in self.prompts
+        ]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -171,9 +171,8 @@ class OpenAIHandlers:
             # every prompt's n samples at once, or never: 400 for what even an idle server cannot hold, not 429
             several = len(prepared.prompts) > 1
             self.worker.check_samples(len(prepared.prompts) * prepared.n, "prompt" if several else "n")
-            for prompt in prepared.prompts:  # several prompts: a request each, answered as one
-                args = (prompt, prepared.params, prepared.stop, prepared.options.logprobs, prepared.grammar)
-                streams.append(RequestStream(self.worker, *args, prepared.n))
+            for one in prepared.text_requests():  # several prompts: a request each, answered as one
+                streams.append(RequestStream(self.worker, one))
             if prepared.options.stream:
                 first = await _unless_disconnected(request, streams[0].next(), streams)
             else:

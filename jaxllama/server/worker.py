@@ -22,10 +22,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from jaxllama.engine.request import SamplingParams
 from jaxllama.errors import EngineUnavailable, InvalidParameter, QueueFull
 from jaxllama.results import Event
-from jaxllama.text_engine import TextEngine
+from jaxllama.text_engine import TextEngine, TextRequest
 
 __all__ = ["EngineUnavailable", "EngineWorker", "QueueFull", "RequestStream"]
 
@@ -33,14 +32,9 @@ __all__ = ["EngineUnavailable", "EngineWorker", "QueueFull", "RequestStream"]
 @dataclasses.dataclass
 class _Submit:
     id: int
-    prompt: list[int]
-    params: SamplingParams
-    stop: list[str]
-    logprobs: bool
+    request: TextRequest
     deliver: Callable[[object], None]
     submitted: float
-    grammar: object = None  # a `jaxllama.text.structured.Grammar`: what the text must match
-    n: int = 1
 
 
 @dataclasses.dataclass
@@ -102,21 +96,13 @@ class EngineWorker:
             self._inbox.put(_STOP)
             self._thread.join(timeout)
 
-    def submit(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        stop: list[str],
-        logprobs: bool,
-        deliver: Callable[[object], None],
-        grammar=None,
-        n: int = 1,
-    ) -> int:
-        """Queue a request (`n` samples of it; `grammar`: what their text must match) and return its id. `deliver`
+    def submit(self, request: TextRequest, deliver: Callable[[object], None]) -> int:
+        """Queue a request (its `n` samples) and return its id. `deliver`
         is called on the engine thread with each `Event` of the request, in order (each choice's last carries its
         `Result`; the request's last has `last` set), or once with the exception that ended it (a ValueError if it
         can never run, `EngineUnavailable`). Raises `QueueFull`, `EngineUnavailable` or (more samples than the server
         ever holds: `check_samples`) `InvalidParameter` at once."""
+        n = request.n
         self.check_samples(n)
         with self._lock:
             if self.error is not None:
@@ -130,8 +116,7 @@ class EngineWorker:
                 )
             self._in_flight += n
             rid = next(self._ids)
-        submit = _Submit(rid, list(prompt), params, list(stop), logprobs, deliver, time.perf_counter(), grammar, n)
-        self._inbox.put(submit)
+        self._inbox.put(_Submit(rid, request, deliver, time.perf_counter()))
         return rid
 
     def cancel(self, request_id: int) -> None:
@@ -221,14 +206,14 @@ class EngineWorker:
 
     def _admit(self, s: _Submit) -> None:
         try:
-            self.text_engine.submit(s.id, s.prompt, s.params, s.stop, logprobs=s.logprobs, grammar=s.grammar, n=s.n)
+            self.text_engine.submit(s.id, s.request)
         except ValueError as e:
-            self._release(s.n)
+            self._release(s.request.n)
             _safe(s.deliver, e)
             return
-        self._tracked[s.id] = _Tracked(s.deliver, s.submitted, s.n)
+        self._tracked[s.id] = _Tracked(s.deliver, s.submitted, s.request.n)
         if self.metrics:
-            self.metrics.prompt_tokens.inc(len(s.prompt))
+            self.metrics.prompt_tokens.inc(len(s.request.prompt))
 
     def _cancel(self, rid: int) -> None:
         tracked = self._tracked.get(rid)
@@ -299,22 +284,13 @@ class RequestStream:
     """One request as its HTTP handler sees it, on the handler's event loop: `await next()` gives its `Event`s
     in order (raising the error that ended it instead); `cancel()` stops it if it has not finished."""
 
-    def __init__(
-        self,
-        worker: EngineWorker,
-        prompt: list[int],
-        params: SamplingParams,
-        stop,
-        logprobs: bool,
-        grammar=None,
-        n: int = 1,
-    ):
+    def __init__(self, worker: EngineWorker, request: TextRequest):
         loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self.worker = worker
         self.finished = False
         deliver = lambda item: loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        self.id = worker.submit(prompt, params, stop, logprobs, deliver, grammar, n)
+        self.id = worker.submit(request, deliver)
 
     async def next(self) -> Event:
         item = await self._queue.get()

@@ -101,9 +101,11 @@ def test_a_fresh_prompt_through_the_kernel_gives_the_models_logits():
     cache = [tuple(jnp.zeros((1, 2, FLASH_MIN_TOKENS, 128), jnp.float32) for _ in range(2))]
     x = model.embed(params, tokens)
     layers = model.layer_params(params, config)
-    want, _ = model.layers(layers, config, x, positions, cache, ops=Ops(float32_products=True))
+    at = model.Placement.of(positions, config)
+    want, _ = model.layers(layers, config, x, at, cache, ops=Ops(float32_products=True))
     with pltpu.force_tpu_interpret_mode():
-        got, written = model.layers(layers, config, x, positions, cache, ops=TpuOps(), fresh=True)
+        fresh = replace(at, fresh=True)
+        got, written = model.layers(layers, config, x, fresh, cache, ops=TpuOps())
     np.testing.assert_allclose(got, want, atol=1e-4)
     assert float(jnp.abs(written[0][0]).sum()) > 0  # the keys are written all the same
 

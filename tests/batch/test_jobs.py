@@ -185,8 +185,8 @@ class Engineless:
         self.text_engine = self
         self.submitted = []
 
-    def submit(self, rid, prompt, params, stop, logprobs=False, priority=0, grammar=None, n=1):
-        if prompt == Characters().encode("boom"):
+    def submit(self, rid, request):
+        if request.prompt == Characters().encode("boom"):
             raise RuntimeError("a fault of jaxllama's")
         self.submitted.append(rid)
 

@@ -1,7 +1,7 @@
 """A prefill through the CPU kernels runs as one packed batch of its prompts' tokens over the slots' cache
 (`ModelRunner._packed_layers`): the same tokens, log-probabilities and prompt log-probabilities as prompts computed
 as padded rows over copies of their slots' rows, whatever the prompts share (a reused prefix, a step, a call), and
-the reference's tokens."""
+the reference's tokens; and a decode step joined to a packed prefill call gives what it gives alone."""
 
 import shutil
 
@@ -35,9 +35,12 @@ def _prompt_logprobs(engine, request) -> list:
     return first.prompt_logprobs
 
 
+def _engine_args(config, params) -> tuple:
+    return config, params, make_mesh(config, "data=1,model=1", jax.devices()[:1])
+
+
 def _engine(config, params, slots: int) -> Engine:
-    mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
-    return Engine(config, params, mesh, eos_ids=[], max_slots=slots)
+    return Engine(*_engine_args(config, params), eos_ids=[], max_slots=slots)
 
 
 @pytest.mark.parametrize("slots", [4, 16])  # prompts admitted a few at a time, or all in one packed call
@@ -53,6 +56,8 @@ def test_packed_prefill_matches_prompts_as_rows(cpu_kernels, monkeypatch, slots)
         tokens, finals = run(engine, _requests(3))
         kinds = {key[0] for key in engine.runner.programs._compiled}
         assert ("prefill_packed" in kinds) is packed and ("prefill_copy" in kinds) is packed
+        # a few slots: prompts admitted while others decode, the decode step joined to their prefill call
+        assert ("mixed_inputs" in kinds) is (packed and slots == 4)
         logprobs = {i: [lp for u in engine.generate([r]) for lp in u.logprobs] for i, r in enumerate(_requests(3)[:3])}
         prompts = {i: _prompt_logprobs(engine, r) for i, r in enumerate(_requests(3)) if r.params.prompt_logprobs}
         got[packed] = tokens, logprobs, {i: u.cached_tokens for i, u in finals.items()}, prompts
@@ -80,3 +85,68 @@ def test_nested_shared_prefixes_are_computed_once_and_score_as_alone(cpu_kernels
     assert engine.stats.prefill_tokens <= 2 * 40 + 4 * 20 + 12 * 2 + 16
     for r in requests:
         assert together[r.id] == _prompt_logprobs(_engine(config, params, 16), r), r.id
+
+
+def test_a_prompt_admitted_while_others_decode_is_computed_in_chunks_as_it_is_alone(cpu_kernels):
+    """Prompts that arrive while slots decode are computed at most `step_tokens` tokens a step, each step's chunk
+    in one call with the decode step; a prompt that waits meanwhile, a chunk that reuses a prefix, and each
+    request's tokens, log-probabilities and prompt log-probabilities are what the request gives alone."""
+    assert cpu_kernels
+    config = tiny_config(max_seq_len=512)
+    params = spread_params(config, seed=7)
+    rng = np.random.default_rng(5)
+    first = rng.integers(3, 131, size=300).tolist()
+    greedy = lambda n, **kw: SamplingParams(max_tokens=n, temperature=0.0, top_logprobs=2, **kw)
+    running = [Request(f"run{i}", p, greedy(60)) for i, p in enumerate(random_prompts(2, 9))]
+    arriving = [
+        Request("long", first, greedy(5, prompt_logprobs=2)),
+        Request("reuses", first[:150] + rng.integers(3, 131, size=90).tolist(), greedy(5)),
+        Request("waits", rng.integers(3, 131, size=70).tolist(), greedy(5, prompt_logprobs=1)),
+    ]
+    engine = Engine(*_engine_args(config, params), eos_ids=[], max_slots=6, step_tokens=64)
+    for r in running:
+        engine.add(r)
+    updates = engine.step()
+    calls = engine.stats.prefill_calls
+    for r in arriving:
+        engine.add(r)
+    while engine.has_work():
+        updates += engine.step()
+    assert engine.stats.prefill_calls - calls >= (300 + 90 + 70) // 64  # a call a step, no more than 64 tokens each
+    assert "mixed_inputs" in {key[0] for key in engine.runner.programs._compiled}
+    alone = _engine(config, params, 6)
+    for r in running + arriving:
+        mine = [u for u in updates if u.id == r.id]
+        theirs = list(alone.generate([r]))
+        assert [t for u in mine for t in u.tokens] == [t for u in theirs for t in u.tokens], r.id
+        assert [lp for u in mine for lp in u.logprobs] == [lp for u in theirs for lp in u.logprobs], r.id
+        assert mine[0].prompt_logprobs == theirs[0].prompt_logprobs, r.id
+        if r.params.prompt_logprobs:
+            assert len(mine[0].prompt_logprobs) == len(r.prompt) - 1
+    tokens = {r.id: [t for u in updates if u.id == r.id for t in u.tokens] for r in arriving}
+    for r in arriving:
+        assert tokens[r.id] == reference_greedy(config, params, r.prompt, r.params.max_tokens)
+
+
+def test_a_prompt_cancelled_between_its_chunks_ends_with_no_update_and_frees_its_slot(cpu_kernels):
+    """A request whose prompt is computed in part still counts as waiting: cancelled, it is dropped at once (no
+    update, as a queued one), and its slot takes the next request."""
+    assert cpu_kernels
+    config = tiny_config(max_seq_len=512)
+    params = spread_params(config, seed=7)
+    engine = Engine(*_engine_args(config, params), eos_ids=[], max_slots=2, step_tokens=64)
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0)
+    engine.add(Request("runs", random_prompts(1, 3)[0], greedy(30)))
+    updates = engine.step()
+    long = Request("long", np.random.default_rng(1).integers(3, 131, size=300).tolist(), greedy(4))
+    engine.add(long)
+    updates += engine.step()
+    assert engine.is_waiting("long") and engine.running == 2  # its first chunk computed, its slot held
+    engine.finish("long")
+    assert not engine.is_waiting("long") and engine.running == 1
+    after = Request("after", random_prompts(1, 4)[0], greedy(3))
+    engine.add(after)
+    while engine.has_work():
+        updates += engine.step()
+    assert not [u for u in updates if u.id == "long"]
+    assert [u.finish_reason for u in updates if u.id == "after" and u.finish_reason] == ["length"]

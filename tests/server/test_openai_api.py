@@ -266,7 +266,7 @@ BAD_BODIES = [
 def test_a_job_line_and_a_request_with_the_same_bad_body_get_the_same_code(live, tiny_chat_checkpoint, tmp_path):
     """`jaxllama run` and `jaxllama serve` read bodies through one pipeline and answer failures through one table:
     the same bad body gets the same code from both, on a plain job line and on an OpenAI Batch line."""
-    from jaxllama.batch.runner import run_job
+    from jaxllama.batch.runner import JobOptions, run_job
     from jaxllama.llm import LLM
 
     served = []
@@ -284,7 +284,7 @@ def test_a_job_line_and_a_request_with_the_same_bad_body_get_the_same_code(live,
     job = tmp_path / "job.jsonl"
     job.write_text("".join(json.dumps(line) + "\n" for line in lines))
     llm = LLM.load(tiny_chat_checkpoint, max_slots=SLOTS, max_context=CONTEXT, compilation_cache=False)
-    stats, _ = run_job(llm, job, defaults=SamplingParams(max_tokens=4), stop=[], quiet=True)
+    stats, _ = run_job(llm, job, options=JobOptions(SamplingParams(max_tokens=4), quiet=True))
     assert stats.failed == len(lines)
     records = [json.loads(line) for line in (tmp_path / "job.out.jsonl").read_text().splitlines()]
     codes = [r["response"]["body"]["error"]["code"] if "custom_id" in r else r["error"]["code"] for r in records]

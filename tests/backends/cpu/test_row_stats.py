@@ -11,7 +11,7 @@ import pytest
 from jaxllama.backends.cpu.ops import CpuOps
 from jaxllama.backends.cpu.row_stats import row_stats
 from jaxllama.engine.request import SamplingParams
-from jaxllama.engine.sampling import SamplerFlags, SamplingRows, sample
+from jaxllama.engine.sampling import RowHistory, SamplerFlags, SamplingRows, sample
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
 
@@ -53,8 +53,8 @@ def test_greedy_sampling_through_the_kernel_matches_xla():
     logits = jnp.asarray(rng.standard_normal((6, 300)).astype(np.float32) * 3)
     rows = SamplingRows(**SamplingRows.from_params([SamplingParams(temperature=0.0)] * 6, [0] * 6))
     step = jnp.zeros(6, jnp.int32)
-    plain = sample(logits, rows, step, SamplerFlags())
-    kernel = sample(logits, rows, step, SamplerFlags(), ops=CpuOps())
+    plain = sample(logits, rows, RowHistory(step), SamplerFlags())
+    kernel = sample(logits, rows, RowHistory(step), SamplerFlags(), ops=CpuOps())
     np.testing.assert_array_equal(kernel[0], plain[0])
     np.testing.assert_allclose(kernel[1], plain[1], rtol=1e-5, atol=1e-5)
 
