@@ -6,8 +6,8 @@ template), the request pipeline (a body's fields). Only the protocol layer turns
 HTTP statuses (`jaxllama.protocol.errors`), by class, never by message. The request errors are ValueErrors: a
 caller that only needs to know "this request is bad" can catch that. Three are failures of the service (busy,
 stopped, its client gone), not of the request; `CheckpointError` is a bad model on disk, and `InvalidOption` a bad
-option of a load or an engine (the command line's, `LLM.load`'s). `is_int` is
-the one type check their callers share.
+option of a load or an engine (the command line's, `LLM.load`'s). `is_int` is the one type check their callers
+share.
 """
 
 from __future__ import annotations
