@@ -87,6 +87,7 @@ def test_nested_shared_prefixes_are_computed_once_and_score_as_alone(cpu_kernels
         assert together[r.id] == _prompt_logprobs(_engine(config, params, 16), r), r.id
 
 
+@pytest.mark.slow
 def test_a_prompt_admitted_while_others_decode_is_computed_in_chunks_as_it_is_alone(cpu_kernels):
     """Prompts that arrive while slots decode are computed at most `step_tokens` tokens a step, each step's chunk
     in one call with the decode step; a prompt that waits meanwhile, a chunk that reuses a prefix, and each
