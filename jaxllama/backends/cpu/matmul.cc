@@ -69,21 +69,27 @@ constexpr int64_t kAhead = 1024;  // bytes of a panel fetched ahead of the tile:
 
 // One row of a panel's output from its kParts (1 or 2) accumulators, `first` and `last`: `width` <= kPanel columns,
 // or (kGated) silu(the first kLanes columns) x the last kLanes, `width` <= kLanes. (Taking the accumulators'
-// address instead keeps them in memory throughout the tile's loop.)
+// address instead keeps them in memory throughout the tile's loop.) A whole panel's row is stored by fixed-size
+// copies, which compile to vector stores: a copy of `width` floats calls the C library's memmove, which took 11-14%
+// of a quantized product's time at 512 rows.
 template <bool kGated>
 void Store(Reg first, Reg last, float* out, int64_t width) {
   static_assert(kParts == 1 || kParts == 2);
   float row[kPanel];
   std::memcpy(row, &first, sizeof(Reg));
   if (kParts == 2) std::memcpy(row + kRegLanes, &last, sizeof(Reg));
+  constexpr int64_t kWidth = kGated ? kLanes : kPanel;
   if (kGated) {
     Vec gate, up;
     std::memcpy(&gate, row, sizeof(Vec));
     std::memcpy(&up, row + kLanes, sizeof(Vec));
     const Vec y = jaxllama::SiluTimes(gate, up);
-    std::memcpy(out, &y, width * sizeof(float));
+    std::memcpy(row, &y, sizeof(Vec));
+  }
+  if (width == kWidth) {
+    std::memcpy(out, row, kWidth * sizeof(float));
   } else {
-    std::memcpy(out, row, width * sizeof(float));
+    for (int64_t i = 0; i < width; ++i) out[i] = row[i];
   }
 }
 
@@ -197,7 +203,13 @@ void QuantizedTile(const void* xq_data, const float* xs, const int32_t* xsum, in
   const int64_t blocks = kp / kQBlock;
   Reg acc[kRows][kPanels * kParts] = {};
   for (int64_t b = 0; b < blocks; ++b) {
-    RegInts part[kRows][kPanels * kParts] = {};
+    // Each block's sums start at what F's offset adds to them (Quads: 128 x the sum of x's block), which they then
+    // lose: no subtraction per block and accumulator.
+    RegInts part[kRows][kPanels * kParts];
+    for (int r = 0; r < kRows; ++r) {
+      const RegInts start = jaxllama::Splat<RegInts>(F::kOffset ? -F::kOffset * xsum[r * blocks + b] : 0);
+      for (int j = 0; j < kPanels * kParts; ++j) part[r][j] = start;
+    }
     for (int64_t i = b * kQBlock; i < (b + 1) * kQBlock; i += F::kStep) {
       typename F::Weights panel[kPanels * kParts];
       for (int j = 0; j < kPanels; ++j) {
@@ -218,9 +230,7 @@ void QuantizedTile(const void* xq_data, const float* xs, const int32_t* xsum, in
         std::memcpy(&scale[j * kParts + h], scales + (j * blocks + b) * kPanel + h * kRegLanes, sizeof(Reg));
     for (int r = 0; r < kRows; ++r) {
       const float x_scale = xs[r * blocks + b];
-      const int32_t offset = F::kOffset ? F::kOffset * xsum[r * blocks + b] : 0;
-      for (int j = 0; j < kPanels * kParts; ++j)
-        acc[r][j] += __builtin_convertvector(part[r][j] - offset, Reg) * (scale[j] * x_scale);
+      for (int j = 0; j < kPanels * kParts; ++j) acc[r][j] += __builtin_convertvector(part[r][j], Reg) * (scale[j] * x_scale);
     }
   }
   for (int r = 0; r < kRows; ++r)
@@ -284,42 +294,111 @@ void NibbleTile(const void* xq_data, const float* xs, const int32_t* xsum, int64
                     Width(n, kOut, p + j));
 }
 
-// The largest |v| of a block, or NaN where one is NaN, in vector steps (a loop of std::max does not vectorize:
-// its order matters for NaN).
-inline float AbsMax(const float (&v)[kQBlock]) {
-  Vec top = {};
-  for (int64_t i = 0; i < kQBlock; i += kLanes) {
-    Vec a;
-    std::memcpy(&a, v + i, sizeof(a));
-    a = a < 0 ? -a : a;
-    top = a > top || a != a ? a : top;
+// A block of x's inputs as vectors: kQBlock inputs from `x`, the first `n` of them read, 0 past them.
+constexpr int64_t kBlockRegs = kQBlock / kRegLanes;
+using Block = std::array<Reg, kBlockRegs>;
+inline Block LoadBlock(const float* x, int64_t n) {
+  Block v;
+  if (n == kQBlock) {
+    std::memcpy(v.data(), x, sizeof(v));
+  } else {
+    float padded[kQBlock] = {};
+    for (int64_t i = 0; i < n; ++i) padded[i] = x[i];
+    std::memcpy(v.data(), padded, sizeof(v));
   }
-  float m = 0.0f;
-  for (int i = 0; i < kLanes; ++i) m = top[i] > m || top[i] != top[i] ? top[i] : m;
-  return m;
+  return v;
+}
+
+// The larger of a and b lane by lane, or NaN where either is NaN.
+template <typename V>
+inline V MaxOrNan(V a, V b) {
+  return a > b || a != a ? a : b;
+}
+
+// The largest |v| of a block, or NaN where one is NaN: lanes folded in halves, in vector steps. (One lane at a time
+// from a vector, the maximum took more time than the block's quantization.)
+inline float AbsMax(const Block& v) {
+  Reg top = {};
+  for (const Reg& x : v) top = MaxOrNan(x < 0 ? -x : x, top);
+  typedef float Four __attribute__((vector_size(16)));
+  typedef float Two __attribute__((vector_size(8)));
+#if defined(JAXLLAMA_WIDE)
+  const Vec eight = MaxOrNan(__builtin_shufflevector(top, top, 0, 1, 2, 3, 4, 5, 6, 7),
+                             __builtin_shufflevector(top, top, 8, 9, 10, 11, 12, 13, 14, 15));
+#else
+  const Vec eight = top;
+#endif
+  const Four four = MaxOrNan(__builtin_shufflevector(eight, eight, 0, 1, 2, 3),
+                             __builtin_shufflevector(eight, eight, 4, 5, 6, 7));
+  const Two two = MaxOrNan(__builtin_shufflevector(four, four, 0, 1), __builtin_shufflevector(four, four, 2, 3));
+  return two[0] > two[1] || two[0] != two[0] ? two[0] : two[1];
+}
+
+// The sum of v's lanes, halves folded into each other.
+inline int32_t SumLanes(RegInts v) {
+  typedef int32_t Four __attribute__((vector_size(16)));
+#if defined(JAXLLAMA_WIDE)
+  const jaxllama::Ints eight = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const jaxllama::Ints eight = v;
+#endif
+  const Four four = __builtin_shufflevector(eight, eight, 0, 1, 2, 3) + __builtin_shufflevector(eight, eight, 4, 5, 6, 7);
+  return four[0] + four[1] + four[2] + four[3];
+}
+
+constexpr float kRound = 12582912.0f;  // 1.5 x 2^23: (v + kRound) - kRound rounds |v| < 2^22 to nearest, even
+typedef int16_t RegHalfShorts __attribute__((vector_size(sizeof(Reg) / 2)));  // kRegLanes int16
+typedef int8_t RegQuarterBytes __attribute__((vector_size(sizeof(Reg) / 4)));  // kRegLanes int8
+
+// v's lanes, each within int16's (or int8's) range, as int16 (int8): AVX-512's vpmovdw (vpmovdb), AVX2's saturating
+// packs (the compiler's own narrowing there moves one lane at a time through a general register).
+inline RegHalfShorts ToShorts(RegInts v) {
+#if !defined(JAXLLAMA_WIDE) && defined(__AVX2__)
+  const __m256i x = reinterpret_cast<__m256i>(v);
+  return reinterpret_cast<RegHalfShorts>(_mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+#else
+  return __builtin_convertvector(v, RegHalfShorts);
+#endif
+}
+inline RegQuarterBytes ToBytes(RegInts v) {
+#if !defined(JAXLLAMA_WIDE) && defined(__AVX2__)
+  const __m128i shorts = reinterpret_cast<__m128i>(ToShorts(v));
+  return reinterpret_cast<RegQuarterBytes>(_mm_cvtsi128_si64(_mm_packs_epi16(shorts, shorts)));
+#else
+  return __builtin_convertvector(v, RegQuarterBytes);
+#endif
 }
 
 // xq[rows, kp] and xs[rows, kp / kQBlock] for x[rows, k] (`QuantizedTile`): per row and block, scale = max |x| /
 // 32767 and xq = x x (1 / scale) rounded to nearest; 0 past k. A NaN or infinite input makes its block's scale NaN or
-// infinite, and its row's outputs NaN. Written as loops the compiler vectorizes (and `AbsMax`): done one value at a
-// time (a division and a rounding call each), it took a sixth of a 32-row product's time, and with a scalar
-// maximum a tenth of a prefill's.
+// infinite, and its row's outputs NaN. A row at a time in three passes: its blocks' maxima, then their scales (whose
+// divisions the compiler vectorizes over blocks: a block's two divisions in a row cost more than its other work),
+// then its values in vector steps.
 void QuantizeRows(const float* x, int64_t rows, int64_t k, int64_t kp, int16_t* xq, float* xs) {
   const int64_t blocks = kp / kQBlock;
-  constexpr float kRound = 12582912.0f;  // 1.5 x 2^23: (v + kRound) - kRound rounds |v| < 2^22 to nearest, even
+  thread_local std::vector<float> inverses;
+  inverses.resize(blocks);
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {  // loops over a block's kQBlock values, which the compiler vectorizes
-      float v[kQBlock];
-      const int64_t start = b * kQBlock, n = std::min(k - start, kQBlock);
-      for (int64_t i = 0; i < kQBlock; ++i) v[i] = i < n ? x[r * k + start + i] : 0.0f;
-      const float scale = AbsMax(v) / 32767.0f;  // NaN where an input is
-      xs[r * blocks + b] = scale;
+    const float* row = x + r * k;
+    float* scale = xs + r * blocks;
+    for (int64_t b = 0; b < blocks; ++b)
+      scale[b] = AbsMax(LoadBlock(row + b * kQBlock, std::min(k - b * kQBlock, kQBlock))) / 32767.0f;  // NaN where an input is
+    for (int64_t b = 0; b < blocks; ++b) {
       // Else (0, subnormal, NaN or inf, whose inverse is not finite) the inputs count as 0.
-      const bool usable = scale >= std::numeric_limits<float>::min() && scale <= 3.4e38f;
-      const float inverse = usable ? 1.0f / scale : 0.0f;  // one division a block: a vector one costs ~16 cycles
-      for (int64_t i = 0; i < kQBlock; ++i) {
-        const float q = usable ? std::min(std::max((v[i] * inverse + kRound) - kRound, -32767.0f), 32767.0f) : 0.0f;
-        xq[r * kp + start + i] = static_cast<int16_t>(static_cast<int32_t>(q));
+      const bool usable = scale[b] >= std::numeric_limits<float>::min() && scale[b] <= 3.4e38f;
+      inverses[b] = usable ? 1.0f / scale[b] : 0.0f;
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t start = b * kQBlock;
+      const Block v = LoadBlock(row + start, std::min(k - start, kQBlock));
+      const float inverse = inverses[b];
+      for (int64_t h = 0; h < kBlockRegs; ++h) {
+        Reg q = inverse != 0.0f ? (v[h] * inverse + kRound) - kRound : Reg{};
+        q = q < -32767.0f ? -32767.0f : q;
+        q = q > 32767.0f ? 32767.0f : q;
+        const RegHalfShorts shorts = ToShorts(__builtin_convertvector(q, RegInts));
+        std::memcpy(xq + r * kp + start + h * kRegLanes, &shorts, sizeof(shorts));
       }
     }
   }
@@ -328,41 +407,36 @@ void QuantizeRows(const float* x, int64_t rows, int64_t k, int64_t kp, int16_t* 
 // xq[rows, kp], xs and xsum[rows, kp / kQBlock] for x[rows, k] as ggml's Q8_0 quantizes a row (`quantize_row_q8_0`,
 // to the bit): per block, d = max |x| / 127, xq = x x (1 / d) rounded half away from zero, xs = d rounded to
 // float16 (as Q8_0 stores it), xsum = the sum of the block's xq; 0 past k. A NaN or infinite input makes its row's
-// outputs NaN.
+// outputs NaN. In three passes, as `QuantizeRows`.
 void QuantizeRowsToBytes(const float* x, int64_t rows, int64_t k, int64_t kp, int8_t* xq, float* xs, int32_t* xsum) {
   const int64_t blocks = kp / kQBlock;
-  constexpr float kRound = 12582912.0f;  // 1.5 x 2^23: (v + kRound) - kRound rounds |v| < 2^22 to nearest, even
   thread_local std::vector<float> inverses;
   inverses.resize(blocks);
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = x + r * k;
     float* scale = xs + r * blocks;
+    for (int64_t b = 0; b < blocks; ++b)
+      scale[b] = AbsMax(LoadBlock(row + b * kQBlock, std::min(k - b * kQBlock, kQBlock)));
     for (int64_t b = 0; b < blocks; ++b) {
-      float v[kQBlock];
-      const int64_t start = b * kQBlock, n = std::min(k - start, kQBlock);
-      for (int64_t i = 0; i < kQBlock; ++i) v[i] = i < n ? row[start + i] : 0.0f;
-      scale[b] = AbsMax(v);
-    }
-    for (int64_t b = 0; b < blocks; ++b) {  // the scales' divisions and roundings, vectorized over blocks
       const float top = scale[b], d = top / 127.0f;
       inverses[b] = d != 0.0f && top <= 3.4028235e38f ? 1.0f / d : 0.0f;  // NaN or inf: counts as 0 ...
       scale[b] = top <= 3.4028235e38f ? jaxllama::HalfToFloat(jaxllama::FloatToHalf(d)) : std::nanf("");  // ... x NaN
     }
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t start = b * kQBlock, n = std::min(k - start, kQBlock);
+      const int64_t start = b * kQBlock;
+      const Block v = LoadBlock(row + start, std::min(k - start, kQBlock));
       const float inverse = inverses[b];
-      int32_t q[kQBlock], sum = 0;
-      for (int64_t i = 0; i < kQBlock; ++i) {  // roundf(v x inverse) as plain arithmetic, which vectorizes
-        const float v = i < n ? row[start + i] : 0.0f;
-        const float s = inverse != 0.0f ? std::abs(v * inverse) : 0.0f, even = (s + kRound) - kRound;
-        const float away = even + (s - even == 0.5f ? 1.0f : 0.0f);  // a tie that went to even goes up
-        q[i] = static_cast<int32_t>(v < 0.0f ? -away : away);
+      RegInts sums = {};
+      for (int64_t h = 0; h < kBlockRegs; ++h) {  // roundf(v x inverse) as plain arithmetic
+        const Reg scaled = inverse != 0.0f ? v[h] * inverse : Reg{}, s = scaled < 0 ? -scaled : scaled;
+        const Reg even = (s + kRound) - kRound;
+        const Reg away = even + (s - even == 0.5f ? 1.0f : 0.0f);  // a tie that went to even goes up
+        const RegInts q = __builtin_convertvector(v[h] < 0.0f ? -away : away, RegInts);
+        const RegQuarterBytes bytes = ToBytes(q);
+        std::memcpy(xq + r * kp + start + h * kRegLanes, &bytes, sizeof(bytes));
+        sums += q;
       }
-      for (int64_t i = 0; i < kQBlock; ++i) {
-        xq[r * kp + start + i] = static_cast<int8_t>(q[i]);
-        sum += q[i];
-      }
-      xsum[r * blocks + b] = sum;
+      xsum[r * blocks + b] = SumLanes(sums);
     }
   }
 }
