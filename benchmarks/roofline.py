@@ -1,0 +1,114 @@
+"""Prefill and batched decode through the engine on the CPU kernels, as a share of this CPU's peak for the arithmetic
+their products run on (`benchmarks.peaks`, measured first in the same run): int16 pairs for the default Q8_0 weights,
+int8 quads for `--quantize w8a8`, float32 FMAs for float weights.
+
+- prefill: prompts of each length in `--prompts` (random token ids: no prefix is shared), as many as fill
+  `--tokens` prompt tokens, one token generated each; the engine's prefill seconds (`EngineStats.prefill_s`);
+- decode: `--decode-rows` requests of `--decode-prompt` tokens decoding `--decode-tokens` tokens each, all at once;
+  the engine's decode seconds.
+
+Each is run once to compile, then timed on new prompts. G(FL)OP/s count the model's products (2 per weight per
+token; the output layer only for the rows whose logits are computed), then with attention (2 x 2 x heads x head
+dimension per attended position per layer) too.
+
+    python -m benchmarks.roofline [--model PATH] [--quantize default,w8a8] [--prompts 512,1024,2048]
+                                  [--tokens 4096] [--decode-rows 64] [--decode-prompt 256] [--decode-tokens 32]
+
+`--model`: the default model, or any model `jaxllama run --model` takes, e.g. a random-weight GGUF of the Llama 3.2
+1B shape (`make_gguf.py 1b`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import fire
+import numpy as np
+
+from benchmarks import peaks
+from benchmarks.matmul_bench import _list
+from jaxllama import LLM
+
+# The arithmetic each weight form's products run on (`benchmarks.peaks.FORMS`).
+PEAK_OF = {"default": "int16_pairs", "q8_0": "int16_pairs", "w8a8": "int8_quads", "q4_0": "int8_quads"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What a model computes per token: its products' weights, the output layer's, attention's per position."""
+
+    layer_weights: int  # q, k, v, o, gate, up, down of every layer
+    output_weights: int
+    attention_per_position: int  # multiply-adds per attended position per token, every layer
+
+    @classmethod
+    def of(cls, config) -> Shape:
+        d, hd = config.dim, config.head_dim
+        q, kv = config.n_heads * hd, config.n_kv_heads * hd
+        per_layer = d * (q + 2 * kv) + q * d + 3 * d * config.ffn_dim
+        return cls(per_layer * config.n_layers, d * config.vocab_size, 2 * q * config.n_layers)
+
+    def flops(self, tokens: int, logits_rows: int, positions: int) -> tuple[float, float]:
+        """(products, attention) operations for `tokens` tokens attending over `positions` positions in all."""
+        products = 2 * (tokens * self.layer_weights + logits_rows * self.output_weights)
+        return products, 2 * positions * self.attention_per_position
+
+
+def _random_prompts(rng, vocab: int, count: int, length: int):
+    """A function that gives `count` new prompts of `length` random token ids each call: no prefix is shared."""
+    return lambda: [rng.integers(1000, vocab, length).tolist() for _ in range(count)]
+
+
+def _run(llm, prompts, max_tokens: int) -> tuple[float, float, int]:
+    """(prefill seconds, decode seconds, prompt tokens computed) of one batch, from the engine's counters; run twice,
+    on new prompts each time, the first to compile."""
+    for _ in range(2):
+        before = dataclasses.replace(llm.stats)
+        llm.generate(prompts(), max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        after = llm.stats
+    computed = after.prefill_tokens - before.prefill_tokens
+    return after.prefill_s - before.prefill_s, after.decode_s - before.decode_s, computed
+
+
+def _report(label: str, seconds: float, tokens: int, flops: tuple[float, float], peak: float) -> None:
+    rate, total = flops[0] / seconds / 1e9, sum(flops) / seconds / 1e9
+    print(f"{label:>26} {tokens / seconds:9.0f} {rate:15.1f} {100 * rate / peak:9.0f}% {total:15.1f}")
+
+
+def main(
+    model: str | None = None,
+    quantize: str = "default,w8a8",
+    prompts: str = "512,1024,2048",
+    tokens: int = 4096,
+    decode_rows: int = 64,
+    decode_prompt: int = 256,
+    decode_tokens: int = 32,
+):
+    peak = peaks.measure()
+    print("peaks, from registers on every core: " + ", ".join(f"{k} {v:.0f} G(FL)OP/s" for k, v in peak.items()))
+    lengths = [int(n) for n in _list(prompts)]
+    rng = np.random.default_rng(0)
+    for form in _list(quantize):
+        context = max(max(lengths), decode_prompt + decode_tokens) + 1
+        slots = max(decode_rows, max(1, tokens // min(lengths)))
+        llm = LLM.load(model, quantize=None if form == "default" else form, max_slots=slots, max_context=context)
+        config, top = llm.config, peak[PEAK_OF[form]]
+        shape = Shape.of(config)
+        random = functools.partial(_random_prompts, rng, config.vocab_size)
+        print(f"\n{form}: {config.n_layers} layers, dim {config.dim}; its products' peak {top:.0f} G(FL)OP/s")
+        print(f"{'work':>26} {'tokens/s':>9} {'products GOP/s':>15} {'% of peak':>10} {'with attention':>15}")
+        for length in lengths:
+            count = max(1, tokens // length)
+            prefill_s, _, computed = _run(llm, random(count, length), 1)
+            flops = shape.flops(computed, count, count * length * (length + 1) // 2)
+            _report(f"prefill {count} x {length}", prefill_s, computed, flops, top)
+        _, decode_s, _ = _run(llm, random(decode_rows, decode_prompt), decode_tokens + 1)
+        rows = decode_rows * decode_tokens
+        positions = decode_rows * sum(decode_prompt + i for i in range(1, decode_tokens + 1))
+        _report(f"decode {decode_rows} rows", decode_s, rows, shape.flops(rows, rows, positions), top)
+        del llm
+
+
+if __name__ == "__main__":
+    fire.Fire(main)
