@@ -103,9 +103,12 @@ class ModelRunnerInterface(Protocol):
         columns: Sequence[int],
         params: Sequence[SamplingParams],
         cancelled: Sequence[int] = (),
+        masks: Callable[[], np.ndarray] | None = None,
+        decode_masks: Callable[[], np.ndarray] | None = None,
     ) -> tuple[Sampled, Sampled]:
-        """`prefill(rows)` and `generate(columns, params, cancelled)` in one call (with `joins_decode`), the columns
-        slots that run already, none of the rows'; no masks. -> (the prefill's `Sampled`, the decode step's)."""
+        """`prefill(rows, masks=masks)` and `generate(columns, params, cancelled, decode_masks)` in one call (with
+        `joins_decode`), the columns slots that run already, none of the rows'. -> (the prefill's `Sampled`, the
+        decode step's)."""
 
     def generate(
         self,

@@ -224,24 +224,29 @@ class ModelRunner:
         columns: Sequence[int],
         params: Sequence[SamplingParams],
         cancelled: Sequence[int] = (),
+        masks: Callable[[], np.ndarray] | None = None,
+        decode_masks: Callable[[], np.ndarray] | None = None,
     ) -> tuple[Sampled, Sampled]:
-        """`prefill(rows)` and `generate(columns, params, cancelled)` (of one token) as one call, where the runner
-        packs prompts and decodes a token a call: the prompts' tokens and the next token of each slot of `columns`
-        run through the layers as one batch (one pass over the weights), then the columns advance and the rows start
-        decoding. The columns are slots already running, none of the rows'. -> (the prefill's `Sampled`, the
-        decode step's)."""
+        """`prefill(rows, masks=masks)` and `generate(columns, params, cancelled, decode_masks)` (of one token) as one
+        call, where the runner packs prompts and decodes a token a call: the prompts' tokens and the next token of
+        each slot of `columns` run through the layers as one batch (one pass over the weights), then the columns
+        advance and the rows start decoding. The columns are slots already running, none of the rows'. Both masks
+        are asked for while the device runs the layers. -> (the prefill's `Sampled`, the decode step's)."""
         if not self.joins_decode:
             raise ValueError("a prefill and a decode step run as one call only where prompts are packed, 1 step a call")
-        batch = _PrefillBatch.of(rows, self, columns=columns)
+        batch = _PrefillBatch.of(rows, self, masked=masks is not None, columns=columns)
         inputs = self._put(batch.arrays)
         x = self._packed_layers(inputs, batch.copies, decoding=True)
         prompt = self._prompt_logprobs(x, rows, batch, inputs) if batch.prompt_logprobs else None
-        flags = SamplerFlags.of(params)
+        flags = dataclasses.replace(SamplerFlags.of(params), mask=decode_masks is not None)
         keep = np.ones(self.slots, bool)
         keep[list(cancelled)] = False
         x_decode = self._call("prefill_last", step.packed_last, (x, inputs["decode_at"]))
-        decoded = self._decode_outputs(flags, self._put(keep), x_decode, inputs["decode_slots"])
-        started = self._start(rows, batch, inputs, x, prompt)
+        mask = None
+        if decode_masks is not None:
+            mask = self._put(_padded_masks(decode_masks(), np.full((len(columns), self.mask_words), -1, np.int32)))
+        decoded = self._decode_outputs(flags, self._put(keep), x_decode, inputs["decode_slots"], mask)
+        started = self._start(rows, batch, inputs, x, prompt, masks)
         if self.abstract:
             return None
         return started, self._sampled([decoded], flags)

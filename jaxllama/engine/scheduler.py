@@ -34,6 +34,10 @@ from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequ
 # The fewest prompt tokens a step starts a prompt with: with less room left, it waits for the next step.
 MIN_CHUNK = 16
 
+# What a step plans to compute (`Scheduler._plan`): a chunk of a prompt computed in part, or a request taken and the
+# most of its tokens computed now (None: all), with its token count.
+_Planned = tuple[PrefillRow | tuple[Request, int | None], int]
+
 
 @dataclasses.dataclass
 class _Slot:
@@ -184,9 +188,21 @@ class Scheduler:
             return [], False
         if take:
             self._compute_shared_prefixes(take, free)
-        # The step's decode rows count as its tokens: then a budget of whole packing steps pads nothing.
+        updates, groups = [], self._calls(self._plan(take))
+        for i, group in enumerate(groups):
+            rows = self._place_group(group, free)
+            if i == len(groups) - 1 and self._joins_decode():
+                return updates + self._prefill_and_decode(rows), True
+            updates += self._prefill(rows)
+        return updates, False
+
+    def _plan(self, take: list[Request]) -> list[_Planned]:
+        """What this step computes, as (a chunk, or (a request, the most of its tokens computed now)), with its token
+        count: the next chunk of each prompt computed in part, then the requests taken, while the step's budget
+        lasts; a request left without room for a chunk worth a slot goes back to the queue's front, with those after
+        it. The step's decode rows count as its tokens: then a budget of whole packing steps pads nothing."""
         left = self.step_tokens - len(self.active) if self.active and self.runner.joins_decode else None
-        planned: list[tuple[PrefillRow | tuple[Request, int | None], int]] = []  # (a chunk or (request, limit), n)
+        planned: list[_Planned] = []
         for slot in sorted(self.partial):
             row = self._next_chunk(slot, left)
             if row is not None:
@@ -194,13 +210,16 @@ class Scheduler:
                 left = None if left is None else left - len(row.tokens)
         for k, r in enumerate(take):
             n = len(r.prompt) - self.prefixes.best(r.prompt, logprobs=_wants_prompt_logprobs(r))[1]
-            if left is not None and n > left and left < MIN_CHUNK:  # no room for a chunk worth a slot
+            if left is not None and n > left and left < MIN_CHUNK:
                 self.queue.extendleft(reversed(take[k:]))
                 break
             planned.append(((r, left), n if left is None else min(n, left)))
             left = None if left is None else left - min(n, left)
-        # One call per prompt bucket (its prompts padded to one length), or where the runner packs prompts, one per
-        # PACKED_TOKENS of them.
+        return planned
+
+    def _calls(self, planned: list[_Planned]) -> list[list]:
+        """The planned items (`_plan`) as prefill calls: one per prompt bucket (its prompts padded to one length),
+        or where the runner packs prompts, one per PACKED_TOKENS of them."""
         calls, packed, call = collections.defaultdict(list), 0, 0
         for item, n in planned:
             if self.runner.packs_prompts:
@@ -210,13 +229,7 @@ class Scheduler:
                 calls[0, call].append(item)
             else:
                 calls[buckets.prompt_bucket(n, self.max_context), 0].append(item)
-        updates, groups = [], [group for _, group in sorted(calls.items())]
-        for i, group in enumerate(groups):
-            rows = self._place_group(group, free)
-            if i == len(groups) - 1 and self._joins_decode(rows):
-                return updates + self._prefill_and_decode(rows), True
-            updates += self._prefill(rows)
-        return updates, False
+        return [group for _, group in sorted(calls.items())]
 
     def _place_group(self, group: list, free: list[int]) -> list[PrefillRow]:
         """The rows of one prefill call: its chunks of prompts computed in part as they are, and each request placed
@@ -245,12 +258,10 @@ class Scheduler:
             return None
         return PrefillRow(p.request, prompt[start:end], start, slot, slot, final=end == len(prompt))
 
-    def _joins_decode(self, rows: list[PrefillRow]) -> bool:
-        """Whether the step's decode may run in the prefill call of these rows: where the runner joins them, some
-        slot is running, and no row of either draws under a constraint (whose mask comes before each token)."""
-        constrained = any(r.request.constraint is not None for r in rows)
-        constrained |= any(s.request.constraint is not None for s in self.active.values())
-        return self.runner.joins_decode and bool(self.active) and not constrained
+    def _joins_decode(self) -> bool:
+        """Whether the step's decode may run in its prefill call: where the runner joins them and some slot is
+        running. (A constrained row's mask, known before the call, goes with it, as in a decode step of one token.)"""
+        return self.runner.joins_decode and bool(self.active)
 
     def _next_requests(self, n: int) -> list[Request]:
         """Take up to n queued requests: the highest priority first, in order of arrival among equals."""
@@ -324,8 +335,10 @@ class Scheduler:
         columns = self._decode_columns(every=False)  # never a slot the rows are computed into
         cancelled, self._stopping = sorted(self._stopping), set()
         params = [s.request.params for s in self.active.values()]
+        masks = self._masks([r.request.constraint for r in rows])
+        decode_masks = self._masks([self.active[c].request.constraint if c in self.active else None for c in columns])
         compiling, start = self.stats.compile_s, time.perf_counter()
-        started, decoded = self.runner.prefill_and_decode(rows, columns, params, cancelled)
+        started, decoded = self.runner.prefill_and_decode(rows, columns, params, cancelled, masks, decode_masks)
         now = time.perf_counter()
         # The call's time counts as prefill and decode by their shares of its tokens.
         seconds, prompt_tokens = now - start - (self.stats.compile_s - compiling), sum(len(r.tokens) for r in rows)

@@ -151,3 +151,62 @@ def test_a_prompt_cancelled_between_its_chunks_ends_with_no_update_and_frees_its
         updates += engine.step()
     assert not [u for u in updates if u.id == "long"]
     assert [u.finish_reason for u in updates if u.id == "after" and u.finish_reason] == ["length"]
+
+
+class _EvenTokens:
+    """A constraint (`request.TokenConstraint`) that allows only even token ids below `top`, and remembers what it was
+    given: what the model draws under it differs from what it draws free."""
+
+    def __init__(self, top: int = 60):
+        self.top, self.accepted = top, []
+
+    def fill_mask(self, out: np.ndarray) -> None:
+        bits = np.zeros(out.shape, np.uint32)
+        for t in range(0, self.top, 2):
+            bits[t // 32] |= np.uint32(1 << (t % 32))
+        out[:] = bits.view(np.int32)
+
+    def accept(self, token: int) -> None:
+        self.accepted.append(token)
+
+    done, error = False, None
+
+
+@pytest.mark.slow
+def test_a_decode_step_joins_a_prefill_call_while_rows_draw_under_constraints(cpu_kernels):
+    """Constrained rows, running and arriving, no longer keep the decode step out of the prefill call: each row's
+    mask goes into the joined call, and every request's tokens and log-probabilities are what it gives alone."""
+    assert cpu_kernels
+    config = tiny_config()
+    params = spread_params(config, seed=7)
+    prompts = random_prompts(4, 11)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, top_logprobs=2)
+
+    def requests():
+        constrained = {"even", "even-late"}
+        names = ("free", "even", "even-late", "free-late")
+        constraint = lambda name: _EvenTokens() if name in constrained else None
+        return [Request(n, p, greedy, constraint=constraint(n)) for n, p in zip(names, prompts, strict=True)]
+
+    engine = _engine(config, params, 4)
+    running, arriving = requests()[:2], requests()[2:]
+    for r in running:
+        engine.add(r)
+    updates = engine.step()
+    for r in arriving:
+        engine.add(r)
+    while engine.has_work():
+        updates += engine.step()
+    assert "mixed_inputs" in {key[0] for key in engine.runner.programs._compiled}
+    alone = _engine(config, params, 4)
+    for r, again in zip(running + arriving, requests(), strict=True):
+        mine = [u for u in updates if u.id == r.id]
+        theirs = list(alone.generate([again]))
+        tokens = [t for u in mine for t in u.tokens]
+        assert tokens == [t for u in theirs for t in u.tokens], r.id
+        assert [lp for u in mine for lp in u.logprobs] == [lp for u in theirs for lp in u.logprobs], r.id
+        if r.constraint is not None:
+            assert tokens and all(t % 2 == 0 and t < 60 for t in tokens)
+            assert r.constraint.accepted == tokens[:-1]  # told each token drawn but the last, which ends it
+    free = [t for u in updates if u.id == "free" for t in u.tokens]
+    assert any(t % 2 or t >= 60 for t in free)  # the constraint changes what is drawn

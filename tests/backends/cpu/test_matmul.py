@@ -35,6 +35,7 @@ def loaded(cpu_kernels):
         (37, 576, 1536),  # SmolLM2's MLP: several blocks of rows and a ragged last tile
         (64, 1536, 576),  # the MLP's down projection at 64 rows (shared among threads)
         (130, 96, 33),
+        (200, 2048, 24),  # blocks of 48 rows (`matmul.cc`'s RowBlock: the fewest, for 2048 float inputs)
     ],
 )
 def test_matmul_matches_numpy(rows, n_in, n_out):

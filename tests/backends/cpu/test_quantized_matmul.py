@@ -54,6 +54,7 @@ def test_quantized_weights_are_ggml_q8_0_to_the_bit(n_out, n_in):
         (4, 96, 100),  # one tile; the last panel 4 columns wide
         (37, 576, 1536),  # SmolLM2's MLP: blocks of rows, a ragged last tile
         (64, 1536, 576),  # the down projection at 64 rows
+        (100, 2048, 40),  # two blocks of rows (`matmul.cc`'s RowBlock: 64 rows of 2048 int16 inputs)
     ],
 )
 def test_quantized_matmul_matches_numpy_on_the_quantized_weights(rows, n_in, n_out):

@@ -62,6 +62,7 @@ def test_inputs_are_quantized_as_ggml_q8_0_to_the_bit():
         (5, 96, 100),  # a ragged tile; the last panel 4 columns wide
         (37, 576, 1536),  # SmolLM2's MLP: blocks of rows, a ragged last tile
         (64, 1536, 576),  # the down projection at 64 rows, shared among threads
+        (100, 4096, 40),  # two blocks of rows (`matmul.cc`'s RowBlock: 64 rows of 4096 inputs)
     ],
 )
 def test_products_match_numpy_on_ggml_q8_0_inputs_and_weights(rows, n_in, n_out):
