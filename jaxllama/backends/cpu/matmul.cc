@@ -63,8 +63,8 @@ constexpr int64_t kTile = 4, kTilePanels = 1, kQTile = 4, kQuadTile = 4, kQTileP
 #endif
 // Rows whose inputs stay in cache (L2) while every panel streams past them: each block of rows reads the whole
 // weight again, from memory where it outgrows the caches, so as many rows as fit kRowBytes of inputs, at least
-// kMinRows (48 rows was the one size before; 448 rows of int8 inputs over 576 or 128 over 2048 were 5-10% faster on
-// one core, and 1B's products read their weights a quarter as often).
+// kMinRows (448 rows of int8 inputs over 576, or 128 over 2048, ran 5-10% faster on one core than blocks of 48, and
+// 1B's products then read their weights a quarter as often).
 constexpr int64_t kRowBytes = 256 << 10, kMinRows = 48, kMaxRows = 512;
 inline int64_t RowBlock(int64_t row_bytes) {
   return std::clamp<int64_t>(kRowBytes / std::max<int64_t>(1, row_bytes) / 8 * 8, kMinRows, kMaxRows);
@@ -322,35 +322,48 @@ inline V MaxOrNan(V a, V b) {
   return a > b || a != a ? a : b;
 }
 
+// A vector's low and high halves, as vectors half its size (a copy the compiler turns into an extract; GCC's
+// __builtin_shufflevector needs GCC 12).
+template <typename Half, typename V>
+inline std::pair<Half, Half> Halves(const V& v) {
+  static_assert(2 * sizeof(Half) == sizeof(V));
+  Half low, high;
+  std::memcpy(&low, &v, sizeof(Half));
+  std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof(Half), sizeof(Half));
+  return {low, high};
+}
+
+typedef float Four __attribute__((vector_size(16)));
+typedef float Two __attribute__((vector_size(8)));
+typedef int32_t FourInts __attribute__((vector_size(16)));
+
 // The largest |v| of a block, or NaN where one is NaN: lanes folded in halves, in vector steps. (One lane at a time
 // from a vector, the maximum took more time than the block's quantization.)
 inline float AbsMax(const Block& v) {
   Reg top = {};
   for (const Reg& x : v) top = MaxOrNan(x < 0 ? -x : x, top);
-  typedef float Four __attribute__((vector_size(16)));
-  typedef float Two __attribute__((vector_size(8)));
 #if defined(JAXLLAMA_WIDE)
-  const Vec eight = MaxOrNan(__builtin_shufflevector(top, top, 0, 1, 2, 3, 4, 5, 6, 7),
-                             __builtin_shufflevector(top, top, 8, 9, 10, 11, 12, 13, 14, 15));
+  const auto [low16, high16] = Halves<Vec>(top);
+  const Vec eight = MaxOrNan(low16, high16);
 #else
   const Vec eight = top;
 #endif
-  const Four four = MaxOrNan(__builtin_shufflevector(eight, eight, 0, 1, 2, 3),
-                             __builtin_shufflevector(eight, eight, 4, 5, 6, 7));
-  const Two two = MaxOrNan(__builtin_shufflevector(four, four, 0, 1), __builtin_shufflevector(four, four, 2, 3));
+  const auto [low8, high8] = Halves<Four>(eight);
+  const auto [low4, high4] = Halves<Two>(MaxOrNan(low8, high8));
+  const Two two = MaxOrNan(low4, high4);
   return two[0] > two[1] || two[0] != two[0] ? two[0] : two[1];
 }
 
 // The sum of v's lanes, halves folded into each other.
 inline int32_t SumLanes(RegInts v) {
-  typedef int32_t Four __attribute__((vector_size(16)));
 #if defined(JAXLLAMA_WIDE)
-  const jaxllama::Ints eight = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const auto [low16, high16] = Halves<jaxllama::Ints>(v);
+  const jaxllama::Ints eight = low16 + high16;
 #else
   const jaxllama::Ints eight = v;
 #endif
-  const Four four = __builtin_shufflevector(eight, eight, 0, 1, 2, 3) + __builtin_shufflevector(eight, eight, 4, 5, 6, 7);
+  const auto [low8, high8] = Halves<FourInts>(eight);
+  const FourInts four = low8 + high8;
   return four[0] + four[1] + four[2] + four[3];
 }
 
