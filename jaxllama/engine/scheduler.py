@@ -186,9 +186,10 @@ class Scheduler:
         take = self._next_requests(len(free))
         if not take and not self.partial:
             return [], False
+        left = self._budget()
         if take:
-            self._compute_shared_prefixes(take, free)
-        updates, groups = [], self._calls(self._plan(take))
+            left = self._compute_shared_prefixes(take, free, left)
+        updates, groups = [], self._calls(self._plan(take, left))
         for i, group in enumerate(groups):
             rows = self._place_group(group, free)
             if i == len(groups) - 1 and self._joins_decode():
@@ -196,12 +197,16 @@ class Scheduler:
             updates += self._prefill(rows)
         return updates, False
 
-    def _plan(self, take: list[Request]) -> list[_Planned]:
+    def _budget(self) -> int | None:
+        """The prompt tokens a step may compute: while slots decode in its prefill call, `step_tokens` less its decode
+        rows (then a budget of whole packing steps pads nothing); None (no limit) while none decode there."""
+        return self.step_tokens - len(self.active) if self.active and self.runner.joins_decode else None
+
+    def _plan(self, take: list[Request], left: int | None) -> list[_Planned]:
         """What this step computes, as (a chunk, or (a request, the most of its tokens computed now)), with its token
-        count: the next chunk of each prompt computed in part, then the requests taken, while the step's budget
-        lasts; a request left without room for a chunk worth a slot goes back to the queue's front, with those after
-        it. The step's decode rows count as its tokens: then a budget of whole packing steps pads nothing."""
-        left = self.step_tokens - len(self.active) if self.active and self.runner.joins_decode else None
+        count: the next chunk of each prompt computed in part, then the requests taken, while the step's `left`
+        prompt tokens last (None: no limit); a request left without room for a chunk worth a slot goes back to the
+        queue's front, with those after it."""
         planned: list[_Planned] = []
         for slot in sorted(self.partial):
             row = self._next_chunk(slot, left)
@@ -272,10 +277,12 @@ class Scheduler:
         self.queue = collections.deque(r for i, r in enumerate(self.queue) if i not in chosen)
         return sorted(take, key=lambda r: -r.priority)
 
-    def _compute_shared_prefixes(self, requests: list[Request], free: list[int]) -> None:
+    def _compute_shared_prefixes(self, requests: list[Request], free: list[int], left: int | None) -> int | None:
         """Prompts admitted together that share a prefix no slot holds: compute it once, into a free slot that one
         of them will then take. Nested prefixes (a few-shot context, then each question's 4 answers) a level at a
-        time, each level's rows starting from the slots the level before filled."""
+        time, each level's rows starting from the slots the level before filled; while slots decode, only the levels
+        that fit the step's `left` prompt tokens (None: no limit), the prompts then computing the rest themselves,
+        in chunks. -> the prompt tokens the step has left."""
         for level in shared_prefixes([r.prompt for r in requests]):
             # Where a member wants its prompt's log-probabilities, the prefix's are computed with it and kept: the
             # members then reuse all but its last token, whose log-probability is not the one they need.
@@ -292,8 +299,13 @@ class Scheduler:
                 idle.remove(slot)
                 params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0 if logprobs else None)
                 rows.append(PrefillRow(Request(None, prefix, params), prefix[start:], start, source, slot))
+            tokens = sum(len(r.tokens) for r in rows)
+            if left is not None and tokens > left:
+                break
             if rows:
                 self._prefill(rows, sample=False)
+                left = None if left is None else left - tokens
+        return left
 
     def _prefill_call(self, prompts: list[tuple[list[int], bool]]) -> _PrefillCall:
         """A prefill call about to place rows for these (prompt, wants its log-probabilities)."""

@@ -210,3 +210,46 @@ def test_a_decode_step_joins_a_prefill_call_while_rows_draw_under_constraints(cp
             assert r.constraint.accepted == tokens[:-1]  # told each token drawn but the last, which ends it
     free = [t for u in updates if u.id == "free" for t in u.tokens]
     assert any(t % 2 or t >= 60 for t in free)  # the constraint changes what is drawn
+
+
+@pytest.mark.slow
+def test_a_shared_prefix_admitted_while_slots_decode_is_computed_within_the_step_budget(cpu_kernels):
+    """Prompts that share a prefix no slot holds, arriving while slots decode: no step computes more prompt tokens
+    than its budget (`step_tokens` less its decode rows), the shared prefix included, and each request's tokens are
+    what it gives alone."""
+    assert cpu_kernels
+    config = tiny_config(max_seq_len=512)
+    params = spread_params(config, seed=7)
+    rng = np.random.default_rng(6)
+    shared = rng.integers(3, 131, size=100).tolist()
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0)
+    running = [Request(f"run{i}", p, greedy(40)) for i, p in enumerate(random_prompts(2, 9))]
+    arriving = [Request(f"shares{i}", shared + rng.integers(3, 131, size=8).tolist(), greedy(4)) for i in range(3)]
+    engine = Engine(*_engine_args(config, params), eos_ids=[], max_slots=6, step_tokens=64)
+    steps: list[list[int]] = []  # per step, the tokens each call computed: prompt rows, and decode rows if joined
+
+    def recording(call, joined: bool):
+        def record(rows, *args, **kwargs):
+            decoding = sum(1 for slot in args[0] if slot < 6) if joined else 0  # columns past the slots: padding
+            steps[-1].append(sum(len(r.tokens) for r in rows) + decoding)
+            return call(rows, *args, **kwargs)
+
+        return record
+
+    engine.runner.prefill = recording(engine.runner.prefill, False)
+    engine.runner.prefill_and_decode = recording(engine.runner.prefill_and_decode, True)
+    for r in running:
+        engine.add(r)
+    steps.append([])
+    updates = engine.step()
+    for r in arriving:
+        engine.add(r)
+    while engine.has_work():
+        steps.append([])
+        updates += engine.step()
+    assert all(sum(calls) <= 64 for calls in steps[1:]), steps
+    assert sum(map(sum, steps[1:])) < 100 * 3  # the shared prefix computed once, not by each prompt
+    alone = _engine(config, params, 6)
+    for r in running + arriving:
+        mine = [t for u in updates if u.id == r.id for t in u.tokens]
+        assert mine == [t for u in alone.generate([r]) for t in u.tokens], r.id
