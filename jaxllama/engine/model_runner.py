@@ -242,9 +242,7 @@ class ModelRunner:
         keep = np.ones(self.slots, bool)
         keep[list(cancelled)] = False
         x_decode = self._call("prefill_last", step.packed_last, (x, inputs["decode_at"]))
-        mask = None
-        if decode_masks is not None:
-            mask = self._put(_padded_masks(decode_masks(), np.full((len(columns), self.mask_words), -1, np.int32)))
+        mask = self._column_masks(decode_masks, columns)
         decoded = self._decode_outputs(flags, self._put(keep), x_decode, inputs["decode_slots"], mask)
         started = self._start(rows, batch, inputs, x, prompt, masks)
         if self.abstract:
@@ -309,14 +307,19 @@ class ModelRunner:
         for _ in range(1 if masks else self.decode_steps):  # no host round trip between steps
             x, at = self._call("decode_inputs", inputs_fn, (self._outer, self.state, slots))
             x = self._layers("decode_layers", x, at if not self.pages else dataclasses.replace(at, pages=table))
-            mask = None
-            if masks is not None:  # computed on the host while the layers run (dispatch is asynchronous)
-                mask = self._put(_padded_masks(masks(), np.full((len(columns), self.mask_words), -1, np.int32)))
+            mask = self._column_masks(masks, columns)
             steps.append(self._decode_outputs(flags, keep, x, slots, mask))
             keep = kept  # cancellations apply at the first step
         if self.abstract:
             return None
         return self._sampled(steps, flags)
+
+    def _column_masks(self, masks: Callable[[], np.ndarray] | None, columns: Sequence[int]):
+        """The decode columns' token bitmasks on the device (a padding column's: every token), or None without
+        `masks`; asked for once the layers are dispatched, so the host computes them while the device runs."""
+        if masks is None:
+            return None
+        return self._put(_padded_masks(masks(), np.full((len(columns), self.mask_words), -1, np.int32)))
 
     def _decode_outputs(self, flags: SamplerFlags, keep, x, slots, mask=None) -> list:
         """Sample a decode step's tokens from its last layer's output x and advance the slots (`step.decode_outputs`);

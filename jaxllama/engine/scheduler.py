@@ -348,7 +348,7 @@ class Scheduler:
         cancelled, self._stopping = sorted(self._stopping), set()
         params = [s.request.params for s in self.active.values()]
         masks = self._masks([r.request.constraint for r in rows])
-        decode_masks = self._masks([self.active[c].request.constraint if c in self.active else None for c in columns])
+        decode_masks = self._column_masks(columns)
         compiling, start = self.stats.compile_s, time.perf_counter()
         started, decoded = self.runner.prefill_and_decode(rows, columns, params, cancelled, masks, decode_masks)
         now = time.perf_counter()
@@ -418,7 +418,7 @@ class Scheduler:
         compiling, start = self.stats.compile_s, time.perf_counter()
         params = [s.request.params for s in self.active.values()]
         # A constrained row needs its mask before each token: while one runs, calls advance one step.
-        masks = self._masks([self.active[c].request.constraint if c in self.active else None for c in columns])
+        masks = self._column_masks(columns)
         if masks:
             out = self.runner.generate(columns, params, cancelled, masks)
         else:
@@ -527,6 +527,10 @@ class Scheduler:
             return out
 
         return fill
+
+    def _column_masks(self, columns: list[int]) -> Callable[[], np.ndarray] | None:
+        """`_masks` of a decode call's columns: each running slot's constraint (a padding column has none)."""
+        return self._masks([self.active[c].request.constraint if c in self.active else None for c in columns])
 
     # ---- ending -----------------------------------------------------------------------------------
 
