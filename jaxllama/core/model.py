@@ -10,10 +10,7 @@ The math is written in the operations of an `Ops` value (`ops.py`): XLA's by def
 chose one. Weights are stored (out, in), as PyTorch's `Linear` and every source format store them, so no converter
 transposes anything.
 
-Rotary embeddings use Meta's convention: dimension pairs (2i, 2i+1) of each head rotate together
-(the complex-number form of Meta's reference code). Converters bring every source to it: Meta's
-weights already are; Hugging Face's q/k projections are permuted back; GGUF files already hold
-Meta's layout (llama.cpp's converter undoes Hugging Face's permutation).
+Rotary embeddings (`rope.py`) use Meta's convention: dimension pairs (2i, 2i+1) of each head rotate together.
 
 The KV cache is an explicit input and output: per layer a pair (k, v), values [batch, kv_heads, cache_len,
 head_dim] and keys the same or transposed, as the backend's `Ops.cache_layout` says (`core/cache_layout.py`). A
@@ -30,53 +27,16 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import PartitionSpec
 
 from jaxllama.core import int8_kv, paged_kv
 from jaxllama.core.blocks import Blocks, dequantize
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import XLA, Ops
 from jaxllama.core.products import GATE_UP, QKV
+from jaxllama.core.rope import apply_rope, rope_angles
+from jaxllama.core.sharding import split_tokens
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v), laid out as `Ops.cache_layout` says
-
-
-def rope_frequencies(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies theta^(-2i/head_dim) for i < head_dim/2, with Llama 3.1 scaling and/or GGUF
-    frequency factors if configured."""
-    d = config.head_dim
-    freqs = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    s = config.rope_scaling
-    if s is not None:
-        wavelen = 2 * np.pi / freqs
-        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-            s.high_freq_factor - s.low_freq_factor
-        )
-        blended = (1 - smooth) * freqs / s.factor + smooth * freqs
-        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-        freqs = np.where(wavelen < high_wavelen, freqs, np.where(wavelen > low_wavelen, freqs / s.factor, blended))
-    if config.rope_freq_factors is not None:
-        freqs = freqs / np.asarray(config.rope_freq_factors, dtype=np.float64)
-    return freqs.astype(np.float32)
-
-
-def rope_angles(positions: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [batch, time, 1, head_dim/2] of positions [batch, time] times the rotary frequencies. Computed
-    once for all the layers of a program, and best passed in from another: XLA fuses a sine computed in the same
-    program into the rotation of each layer, where it computes it for every element of every head."""
-    angles = positions[:, :, None, None].astype(jnp.float32) * rope_frequencies(config)
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotate pairs (2i, 2i+1) of x [batch, time, heads, head_dim] by the angles `rope_angles` gives as (cos, sin)."""
-    cos, sin = rope
-    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
-    return rotated.reshape(x.shape).astype(x.dtype)
 
 
 # ---- the math: pure functions over (sub)trees of params --------------------------------------------
@@ -121,7 +81,7 @@ def attention(p, c: ModelConfig, x, at: Placement, cache_k, cache_v, ops: Ops = 
     says (or pools of pages, with `at.pages`) -> (out, cache_k, cache_v)."""
     q, k, v = ops.project(x, p, QKV)
     positions = at.positions
-    q, k = apply_rope(q, at.rope), apply_rope(k, at.rope)
+    q, k = apply_rope(q, at.rope, ops.rope_halves), apply_rope(k, at.rope, ops.rope_halves)
     q = q.reshape(*q.shape[:2], c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim)  # [b, t, kv, g, hd]
     as_stored = not isinstance(cache_k, int8_kv.Int8KV) and cache_k.dtype == k.dtype
     out = ops.prompt_attention(q, k, v) if at.fresh and as_stored else None
@@ -142,12 +102,12 @@ def attention(p, c: ModelConfig, x, at: Placement, cache_k, cache_v, ops: Ops = 
         if out is None:
             out = ops.attention(q, cache_k, cache_v, positions, at.rows)
     out = out.reshape(*out.shape[:2], c.n_heads, c.head_dim)  # [b, t, heads, head_dim]
-    return ops.linear(out, p["wo"], in_dims=2), cache_k, cache_v
+    return ops.linear(out, p["wo"], in_dims=2, row_parallel=True), cache_k, cache_v
 
 
 def mlp(p, x, ops: Ops = XLA):
     """The feed-forward block: w2(silu(w1 x) * w3 x)."""
-    return ops.linear(ops.gated(x, p, *GATE_UP), p["w2"])
+    return ops.linear(ops.gated(x, p, *GATE_UP), p["w2"], row_parallel=True)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 6))
@@ -159,23 +119,6 @@ def block(p, c: ModelConfig, x, at: Placement, cache_k, cache_v, ops: Ops = XLA)
     x = split_tokens(x + h)
     x = split_tokens(x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, c.norm_eps), ops))
     return x, cache_k, cache_v
-
-
-def split_tokens(x):
-    """x [b, t, dim] split by token over the context mesh's `model` axis where t divides evenly (a prompt's tokens;
-    not a decode step's one): sequence parallelism, as MaxText does. The products' partial sums over the model
-    axis are then reduce-scattered instead of all-reduced (the same bytes once the next product gathers its input),
-    and the norms and residual additions between them run on each device's share of the tokens, not on all of them
-    on every device (a long prefill's elementwise passes cost half its products' time otherwise). Nothing changes
-    outside a mesh context (`jax.set_mesh`) or with `model` of one device."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or "model" not in mesh.axis_names:
-        return x
-    model = mesh.shape["model"]
-    if model == 1 or x.shape[1] % model:
-        return x
-    batch = "data" if "data" in mesh.axis_names and x.shape[0] % mesh.shape["data"] == 0 else None
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(batch, "model", None))
 
 
 def activation_dtype(embedding) -> jnp.dtype:

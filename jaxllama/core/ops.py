@@ -27,7 +27,9 @@ from jaxllama.core import int8_kv, int8_weights, paged_kv
 from jaxllama.core.blocks import Blocks, dequantize
 from jaxllama.core.cache_layout import POSITIONS_MAJOR, CacheLayout
 from jaxllama.core.int8_weights import Int8
-from jaxllama.core.products import PRODUCT_IN_DIMS
+from jaxllama.core.products import PRODUCT_IN_DIMS, ROTATED
+from jaxllama.core.rope import rope_halves_order
+from jaxllama.core.sharding import split_tokens, tokens_spec
 
 # XLA:CPU's option that turns its YNNPACK matrix-product kernels off (see `Ops.compiler_options`).
 NO_YNNPACK = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -44,6 +46,8 @@ class Ops:
     float32_products: bool = dataclasses.field(default=False, kw_only=True)
     # Every product's weight as int8 with a scale per output channel (`int8_weights.py`), made at load.
     int8_weights: bool = dataclasses.field(default=False, kw_only=True)
+    # Each head's dims of wq and wk reordered at load (`rope.rope_halves_order`) so that rotary pairs are halves.
+    rope_halves: bool = dataclasses.field(default=False, kw_only=True)
 
     prepared_on_host: ClassVar[bool] = False
     # XLA's keys are positions-major, like the values: a decode step writes one vector per head in place and runs q.k
@@ -55,8 +59,11 @@ class Ops:
 
     def prepare(self, params, config) -> dict:
         """params (the whole tree, or part of it) as this backend's products read them. XLA reads the checkpoint's
-        weights as they are, or with `int8_weights` each product's weight quantized (blocks dequantized first); a
-        weight quantized already is kept."""
+        weights as they are, or with `int8_weights` each product's weight quantized (blocks dequantized first; a
+        weight quantized already is kept), and with `rope_halves` wq and wk with their heads' dims reordered."""
+        if self.rope_halves:
+            order = rope_halves_order(config.head_dim)
+            params = _map_products(params, lambda w, _: _reorder_head_dims(w, order), names=ROTATED)
         if not self.int8_weights:
             return params
         return _map_products(params, lambda w, in_dims: w if isinstance(w, Int8) else _to_int8(w, in_dims=in_dims))
@@ -70,9 +77,11 @@ class Ops:
             params, lambda w, in_dims: w if isinstance(w, Int8) else int8_weights.abstract(_abstract_weight(w), in_dims)
         )
 
-    def linear(self, x: jax.Array, w, in_dims: int = 1) -> jax.Array:
+    def linear(self, x: jax.Array, w, in_dims: int = 1, row_parallel: bool = False) -> jax.Array:
         """x [..., *in] times w [*out, *in] (`in_dims` trailing dims; an array or `Blocks`) -> [..., *out], as one
-        2-D product in x's dtype."""
+        2-D product in x's dtype. `row_parallel`: the model axis splits the product's inputs (wo, w2), so that each
+        device's outputs are partial sums, which a prompt's tokens [b, t, ...] reduce-scatter by token
+        (`sharding.split_tokens`)."""
         lead = x.shape[: x.ndim - in_dims]
         n_in = int(np.prod(w.shape[len(w.shape) - in_dims :]))
         out = w.shape[: len(w.shape) - in_dims]
@@ -88,6 +97,11 @@ class Ops:
                 # split the products into collective matmuls of 16 small pieces (`jaxllama compile`, 70B int8
                 # prefill 8 x 512 on v5e:4x4: 386.1 ms by cycles, 293.5 scaled after).
                 y = jax.lax.dot_general(x2, q, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
+            if row_parallel and tokens_spec(lead):
+                # Split by token before the scales: each device then scales its own tokens after the reduce-scatter,
+                # where the compiler otherwise all-reduces the partial sums and scales every token on every device
+                # (`jaxllama compile`, 70B int8 prefill 8 x 512 on v5e:4x4: 293.5 -> 224.8 ms by cycles).
+                return (split_tokens(y.reshape(*lead, *out)).astype(F32) * w.scales).astype(x.dtype)
             return (y.astype(F32) * scales).astype(x.dtype).reshape(*lead, *out)
         w = dequantize(w, x.dtype) if isinstance(w, Blocks) else w.astype(x.dtype)
         y = jax.lax.dot_general(w.reshape(-1, n_in), x.reshape(-1, n_in), (((1,), (1,)), ((), ()))).T
@@ -176,13 +190,13 @@ class Ops:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return tokens, logprob_of(logits, tokens)
 
-    def compiler_options(self, program: str, platform: str) -> dict:
-        """XLA compiler options for one of the engine's programs (by its kind, e.g. "decode_layers") on the devices'
-        `platform` (not the host's: a program may be compiled for devices elsewhere). XLA:CPU sets up its YNNPACK
+    def compiler_options(self, program: str, device) -> dict:
+        """XLA compiler options for one of the engine's programs (by its kind, e.g. "decode_layers") on `device`, the
+        mesh's first (not the host's: a program may be compiled for devices elsewhere). XLA:CPU sets up its YNNPACK
         product kernels on each program's first call in a process: worth it for the decode layers, which run every
         step, not for prefills (most shapes run once or a few times) nor for the outputs (whose [rows, vocab]
         product XLA's own loops run faster)."""
-        if platform != "cpu" or program == "decode_layers":
+        if device.platform != "cpu" or program == "decode_layers":
             return {}
         return NO_YNNPACK
 
@@ -196,19 +210,27 @@ F32 = jnp.float32
 QUERY_BLOCK = 1024  # a long prompt's queries attend this many at a time (`Ops.attention`)
 
 
-def _map_products(params, fn):
-    """params with fn(weight, in_dims) at every product's weight (by name: `PRODUCT_IN_DIMS`; not the embedding)."""
+def _map_products(params, fn, names=PRODUCT_IN_DIMS):
+    """params with fn(weight, in_dims) at every product's weight of `names` (default: all of them, by name:
+    `PRODUCT_IN_DIMS`; not the embedding)."""
     if isinstance(params, (list, tuple)):  # a run of layers
-        return [_map_products(p, fn) for p in params]
+        return [_map_products(p, fn, names) for p in params]
     out = {}
     for key, value in params.items():
         if isinstance(value, dict):
-            out[key] = _map_products(value, fn)
-        elif key in PRODUCT_IN_DIMS:
+            out[key] = _map_products(value, fn, names)
+        elif key in names:
             out[key] = fn(value, PRODUCT_IN_DIMS[key])
         else:
             out[key] = value
     return out
+
+
+@jax.jit
+def _reorder_head_dims(w, order):
+    """w [heads, head_dim, ...] (an array, `Blocks` or `Int8`: every array of it has its output's head dims second)
+    with each head's dims in `order`."""
+    return jax.tree.map(lambda a: jnp.take(a, order, axis=1), w)
 
 
 @functools.partial(jax.jit, static_argnames="in_dims")

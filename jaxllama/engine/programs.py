@@ -124,15 +124,13 @@ def _compile_with_text(lowered, options: dict):
 
 class Programs:
     """The compiled programs of one engine, by (kind, the arguments' pytree, shapes and dtypes, static switches).
-    Compilation is counted and timed in `stats`, for the devices' `platform` (its compiler options). `keep_exported`:
+    Compilation is counted and timed in `stats`, for `device`, the mesh's first (its compiler options). `keep_exported`:
     keep programs on disk where the compilation cache is on (one device of the default backend in one process).
     `abstract`: the arguments are ShapeDtypeStructs; a call compiles its program, records it in `calls` and returns
     its outputs' ShapeDtypeStructs (`engine/aot.py`)."""
 
-    def __init__(
-        self, ops: Ops, stats: EngineStats, platform: str, keep_exported: bool, abstract: bool = False, mesh=None
-    ):
-        self.ops, self.stats, self.platform, self.mesh = ops, stats, platform, mesh
+    def __init__(self, ops: Ops, stats: EngineStats, device, keep_exported: bool, abstract: bool = False, mesh=None):
+        self.ops, self.stats, self.device, self.mesh = ops, stats, device, mesh
         self.keep_exported, self.abstract = keep_exported, abstract
         self._compiled: dict = {}
         self.calls: list[Compiled] = []  # abstract: every call, in order
@@ -146,7 +144,7 @@ class Programs:
             if not self._compiled:  # say why the first requests take a while
                 log.info("compiling the engine's programs, each shape once (a later run loads them from the cache)")
             start = time.perf_counter()
-            options = self.ops.compiler_options(kind, self.platform)
+            options = self.ops.compiler_options(kind, self.device)
             compiled = None
             if (folder := program_cache()) is not None and self.keep_exported:
                 compiled = compile_program(folder, fn, args, donate, static_key, options, self.ops.custom_calls)

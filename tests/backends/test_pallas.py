@@ -90,7 +90,8 @@ def test_the_flash_kernel_split_over_the_model_axis_runs_each_devices_heads():
 
 def test_a_fresh_prompt_through_the_kernel_gives_the_models_logits():
     """The model's layer with `fresh` set attends through the kernel over the keys and values it writes into the
-    cache, and gives what the same layer gives attending over that cache."""
+    cache, and gives what the same layer gives attending over that cache (its wq and wk reordered for the TPU's
+    rotary halves)."""
     from jaxllama.core import model
     from jaxllama.core.params import init_params
 
@@ -105,7 +106,7 @@ def test_a_fresh_prompt_through_the_kernel_gives_the_models_logits():
     want, _ = model.layers(layers, config, x, at, cache, ops=Ops(float32_products=True))
     with pltpu.force_tpu_interpret_mode():
         fresh = replace(at, fresh=True)
-        got, written = model.layers(layers, config, x, fresh, cache, ops=TpuOps())
+        got, written = model.layers(TpuOps().prepare(layers, config), config, x, fresh, cache, ops=TpuOps())
     np.testing.assert_allclose(got, want, atol=1e-4)
     assert float(jnp.abs(written[0][0]).sum()) > 0  # the keys are written all the same
 

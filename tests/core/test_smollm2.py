@@ -68,9 +68,11 @@ def test_the_default_conversion_stays_close_to_transformers(smollm2_checkpoint, 
 def test_greedy_tokens_through_the_paged_cache_are_the_cpu_kernels(smollm2_float32_checkpoint):
     """The real model through XLA's paged cache (`core/paged_kv.py`, pages of 16) gives the greedy tokens the CPU
     kernels' contiguous cache gives, each prompt alone and the three together, the third reusing the pages of a
-    first run's prefix."""
+    first run's prefix; and so do an accelerator's operations (a GPU's: pages of 64, wq and wk reordered for rotary
+    halves, the feed-forward's gate behind a barrier; heads of 64 take XLA's attention, not its kernel)."""
     import jax
 
+    from jaxllama.backends.pallas import GpuOps
     from jaxllama.core.sharding import make_mesh
     from jaxllama.engine.engine import Engine
     from jaxllama.engine.request import Request, SamplingParams
@@ -92,3 +94,6 @@ def test_greedy_tokens_through_the_paged_cache_are_the_cpu_kernels(smollm2_float
     assert [greedy(paged, [p])[0] for p in PROMPTS] == together
     assert greedy(paged, PROMPTS) == together
     assert paged.stats.cached_tokens >= 16  # the third prompt's 21 tokens held from its run alone: a page reused
+    accelerator = Engine(config, params, mesh, max_slots=4, ops=GpuOps(interpret=True))
+    assert accelerator.runner.pages is not None
+    assert greedy(accelerator, PROMPTS) == together

@@ -229,3 +229,32 @@ def test_ignore_eos_and_min_tokens(tiny):
 
 def greedy(max_tokens, **kw):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("int8", [False, True])
+def test_an_accelerators_operations_give_the_same_tokens_on_a_cpu_mesh(tiny, expected, int8):
+    """A GPU's operations (as a TPU's, less their kernels, which heads this narrow do not take): wq and wk reordered
+    for rotary halves, a paged cache, the feed-forward's gate behind a barrier, and with int8 weights their row-parallel
+    products scaled after the split by token, here over a model axis of 2. The tokens are the float reference's, and
+    with int8 weights those of XLA's int8 products on one device."""
+    from jaxllama.backends.pallas import GpuOps
+    from jaxllama.core.ops import Ops
+    from jaxllama.core.params import param_shardings
+
+    config, params = tiny
+    requests = greedy_requests()[:6]
+    want = {r.id: expected[r.id] for r in requests}
+    if int8:
+        one = make_mesh(config, "data=1,model=1", jax.devices()[:1])
+        engine = Engine(
+            config, params, one, eos_ids=[EOS], max_slots=4, ops=Ops(float32_products=True, int8_weights=True)
+        )
+        want = run(engine, requests)[0]
+    mesh = make_mesh(config, "data=1,model=2", jax.devices()[:2])
+    ops = GpuOps(interpret=True, int8_weights=int8)
+    engine = Engine(
+        config, jax.device_put(params, param_shardings(config, mesh)), mesh, eos_ids=[EOS], max_slots=4, ops=ops
+    )
+    assert engine.runner.pages is not None  # a paged cache, as an accelerator's
+    assert run(engine, requests)[0] == want

@@ -98,10 +98,10 @@ class CpuOps(Ops):
             return self.quantize
         return stored if stored in PACKED_BYTES else "float32"
 
-    def linear(self, x, w, in_dims: int = 1):
-        if isinstance(w, matmul.Packed):
+    def linear(self, x, w, in_dims: int = 1, row_parallel: bool = False):
+        if isinstance(w, matmul.Packed):  # one device: no model axis splits it
             return matmul.matmul(x.reshape(*x.shape[: x.ndim - in_dims], -1), w)
-        return super().linear(x, w, in_dims)
+        return super().linear(x, w, in_dims, row_parallel)
 
     def project(self, x, p: dict, names: Sequence[str], in_dims: int = 1):
         fused = fused_key(names)
@@ -135,7 +135,7 @@ class CpuOps(Ops):
         tokens, top, logz = row_stats(logits.astype(jnp.float32))  # one pass over the logits, on every thread
         return tokens, top - logz
 
-    def compiler_options(self, program: str, platform: str) -> dict:
+    def compiler_options(self, program: str, device) -> dict:
         return NO_YNNPACK  # no product is left for XLA's YNNPACK kernels
 
     @property
