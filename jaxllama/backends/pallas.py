@@ -110,8 +110,8 @@ class PallasOps(Ops):
 @dataclasses.dataclass(frozen=True)
 class TpuOps(PallasOps):
     def compiler_options(self, program: str, device) -> dict:
-        """The TPU compiler's options for every program: no collective matmuls, and on some chips more scoped VMEM
-        (`TPU_OPTIONS`)."""
+        """The TPU compiler's options for every program: no collective matmuls (`TPU_OPTIONS`), and on some chips more
+        scoped VMEM (`SCOPED_VMEM_KIB`)."""
         return TPU_OPTIONS | SCOPED_VMEM_KIB.get(device.device_kind, {})
 
     def prompt_attention(self, q, k, v) -> jax.Array | None:

@@ -184,3 +184,14 @@ def test_blocks_are_read_as_int8_weights_on_a_tpu_and_as_blocks_on_a_cpu_mesh(tm
     plan = aot.memory.plan(stored, devices, "data=1,model=4", sizes, jnp.bfloat16)
     int8 = aot.memory.plan(config, devices, "data=1,model=4", replace(sizes, quantize="int8"), jnp.bfloat16)
     assert plan.footprint.weights == int8.footprint.weights
+
+
+def test_tpu_programs_compile_without_collective_matmuls_and_a_v6e_with_more_vmem():
+    from types import SimpleNamespace
+
+    v5e, v6e = (SimpleNamespace(platform="tpu", device_kind=kind) for kind in ("TPU v5 lite", "TPU v6 lite"))
+    off = {"xla_tpu_enable_windowed_einsum_for_all_gather": False}
+    assert TpuOps().compiler_options("prefill_layers", v5e).items() >= off.items()
+    assert "xla_tpu_scoped_vmem_limit_kib" not in TpuOps().compiler_options("prefill_layers", v5e)
+    assert TpuOps().compiler_options("decode_layers", v6e)["xla_tpu_scoped_vmem_limit_kib"] == 98304
+    assert GpuOps().compiler_options("prefill_layers", SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")) == {}
