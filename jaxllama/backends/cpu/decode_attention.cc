@@ -234,11 +234,12 @@ struct Attention : jaxllama::Job {
 
   void Run(int64_t c) override {
     thread_local std::vector<float> scores, queries, outs;
+    thread_local std::vector<int64_t> visible;  // per query vector: a run's rows x query heads, or a row's heads
     const int64_t gd = s.groups * s.dim, units = (static_cast<int64_t>(runs.size()) - 1) * s.kv;
     for (int64_t i = c * per_chunk, end = std::min((c + 1) * per_chunk, units); i < end; ++i) {
       const int64_t r = i / s.kv, h = i % s.kv, b0 = runs[r], rows = runs[r + 1] - b0, m = rows * s.groups;
       const int64_t slot = slot_of[b0];
-      int64_t visible[kQueriesAtOnce];
+      visible.resize(m);  // a row of more query heads than kQueriesAtOnce runs alone: m may exceed it
       if (slot < 0 || slot >= s.slots || positions[b0] < 0) {  // a padding row
         float* o = out + (b0 * s.kv + h) * gd;
         std::fill(o, o + gd, 0.0f);
@@ -246,10 +247,10 @@ struct Attention : jaxllama::Job {
       }
       const int64_t cell = (slot * s.kv + h) * s.dim * s.length;
       if (rows == 1) {  // a decode row: its query heads and result in place
-        std::fill(visible, visible + s.groups, std::min<int64_t>(int64_t{positions[b0]} + 1, s.length));
+        std::fill_n(visible.data(), s.groups, std::min<int64_t>(int64_t{positions[b0]} + 1, s.length));
         scores.resize(s.groups * s.length);
-        Attend(q + (b0 * s.kv + h) * gd, keys + cell, values + cell, visible, s.groups, s, out + (b0 * s.kv + h) * gd,
-               scores.data());
+        Attend(q + (b0 * s.kv + h) * gd, keys + cell, values + cell, visible.data(), s.groups, s,
+               out + (b0 * s.kv + h) * gd, scores.data());
         continue;
       }
       queries.resize(m * s.dim);
@@ -257,9 +258,10 @@ struct Attention : jaxllama::Job {
       scores.resize(m * s.length);
       for (int64_t b = 0; b < rows; ++b) {
         std::copy_n(q + ((b0 + b) * s.kv + h) * gd, gd, queries.data() + b * gd);
-        std::fill_n(visible + b * s.groups, s.groups, std::min<int64_t>(int64_t{positions[b0 + b]} + 1, s.length));
+        std::fill_n(visible.data() + b * s.groups, s.groups,
+                    std::min<int64_t>(int64_t{positions[b0 + b]} + 1, s.length));
       }
-      Attend(queries.data(), keys + cell, values + cell, visible, m, s, outs.data(), scores.data());
+      Attend(queries.data(), keys + cell, values + cell, visible.data(), m, s, outs.data(), scores.data());
       for (int64_t b = 0; b < rows; ++b) std::copy_n(outs.data() + b * gd, gd, out + ((b0 + b) * s.kv + h) * gd);
     }
   }

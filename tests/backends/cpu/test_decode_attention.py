@@ -42,6 +42,7 @@ def xla_attention(q, keys, values, slots, positions):
         (7, 16, 4, 2, 16, 200),
         (3, 4, 2, 5, 24, 203),  # a length no multiple of the vector width, dims past 16, query heads 4 + 1
         (2, 2, 1, 8, 128, 64),  # Llama 3 70B's heads: 8 query heads per kv head, 128 dims
+        (3, 2, 2, 16, 32, 70),  # 405B's 16 query heads per kv head: more than a group of query vectors holds
     ],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])  # the cache's
@@ -64,7 +65,9 @@ def test_kernel_matches_xla(kernel, rows, slots, kv, groups, head_dim, length, d
         assert not got[-1].any()
 
 
-@pytest.mark.parametrize("groups, head_dim, length", [(3, 64, 300), (1, 16, 77), (8, 32, 64), (5, 24, 203)])
+@pytest.mark.parametrize(
+    "groups, head_dim, length", [(3, 64, 300), (1, 16, 77), (8, 32, 64), (5, 24, 203), (16, 32, 70)]
+)
 def test_prompt_rows_are_computed_as_one_at_a_time(kernel, groups, head_dim, length):
     """A prompt's consecutive rows (computed together, a run of them per group of query vectors) give each row's
     result bit for bit as that row alone does, whatever shares its call: prompts of several slots, one that starts
