@@ -1,0 +1,62 @@
+"""A prompt's attention through the CPU attention kernel alone (`backends/cpu/decode_attention.cc`), as a share of
+this CPU's float32 FMA peak (`benchmarks.peaks`, measured first in the same run), which its scores and weighted
+values run on: one prompt of each length in `--prompts` from position 0, every query seeing the positions up to its
+own, at a model's heads (SmolLM2's by default: 3 KV heads of 3 query heads, 64 dims) over a cache of `--cache`
+(float16, the CPU kernels' default, or float32). GFLOP/s count the causal products only (2 x 2 x head dims per
+query and position it sees), not the softmax; the best of `--repeat` calls.
+
+    python -m benchmarks.attention_bench [--prompts 512,1024,2048] [--kv 3] [--groups 3] [--head-dim 64]
+                                         [--cache float16] [--repeat 10]
+"""
+
+from __future__ import annotations
+
+import time
+
+import fire
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import peaks
+from benchmarks.matmul_bench import _list
+from jaxllama.backends.cpu import library
+from jaxllama.backends.cpu.decode_attention import decode_attention
+from jaxllama.engine.runtime import cache_dir
+
+
+def main(
+    prompts: str = "512,1024,2048",
+    kv: int = 3,
+    groups: int = 3,
+    head_dim: int = 64,
+    cache: str = "float16",
+    repeat: int = 10,
+):
+    if not library.load(cache_dir() / "kernels"):
+        raise SystemExit("the CPU kernels could not be built")
+    peak = peaks.measure()["float32_fma"]
+    print(f"float32 FMA peak, from registers on every core: {peak:.0f} GFLOP/s")
+    print(
+        f"{kv} KV heads x {groups} query heads, {head_dim} dims, a {cache} cache: prompt tokens, ms, GFLOP/s, % of peak"
+    )
+    attend = jax.jit(decode_attention)
+    rng = np.random.default_rng(0)
+    for t in map(int, _list(prompts)):
+        q = jnp.asarray(rng.standard_normal((t, kv, groups, head_dim)), jnp.float32)
+        keys = jnp.asarray(rng.standard_normal((1, kv, head_dim, t)), cache)
+        values = jnp.asarray(rng.standard_normal((1, kv, t, head_dim)), cache)
+        slots, positions = jnp.zeros(t, jnp.int32), jnp.arange(t, dtype=jnp.int32)
+        attend(q, keys, values, slots, positions).block_until_ready()  # compiled
+        best = float("inf")
+        for _ in range(repeat):
+            start = time.perf_counter()
+            attend(q, keys, values, slots, positions).block_until_ready()
+            best = min(best, time.perf_counter() - start)
+        flop = 2 * 2 * (t * (t + 1) / 2) * kv * groups * head_dim
+        rate = flop / best / 1e9
+        print(f"{t:>6} {best * 1e3:8.2f} {rate:7.1f} {100 * rate / peak:4.0f}%", flush=True)
+
+
+if __name__ == "__main__":
+    fire.Fire(main)
