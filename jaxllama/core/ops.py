@@ -29,7 +29,7 @@ from jaxllama.core.cache_layout import POSITIONS_MAJOR, CacheLayout
 from jaxllama.core.int8_weights import Int8
 from jaxllama.core.products import PRODUCT_IN_DIMS, ROTATED
 from jaxllama.core.rope import rope_halves_order
-from jaxllama.core.sharding import split_tokens, tokens_spec
+from jaxllama.core.sharding import tokens_spec
 
 # XLA:CPU's option that turns its YNNPACK matrix-product kernels off (see `Ops.compiler_options`).
 NO_YNNPACK = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -97,11 +97,12 @@ class Ops:
                 # split the products into collective matmuls of 16 small pieces (`jaxllama compile`, 70B int8
                 # prefill 8 x 512 on v5e:4x4: 386.1 ms by cycles, 293.5 scaled after).
                 y = jax.lax.dot_general(x2, q, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
-            if row_parallel and tokens_spec(lead):
+            if (split := tokens_spec(lead) if row_parallel else None) is not None:
                 # Split by token before the scales: each device then scales its own tokens after the reduce-scatter,
                 # where the compiler otherwise all-reduces the partial sums and scales every token on every device
                 # (`jaxllama compile`, 70B int8 prefill 8 x 512 on v5e:4x4: 293.5 -> 224.8 ms by cycles).
-                return (split_tokens(y.reshape(*lead, *out)).astype(F32) * w.scales).astype(x.dtype)
+                y = jax.lax.with_sharding_constraint(y.reshape(*lead, *out), split)
+                return (y.astype(F32) * w.scales).astype(x.dtype)
             return (y.astype(F32) * scales).astype(x.dtype).reshape(*lead, *out)
         w = dequantize(w, x.dtype) if isinstance(w, Blocks) else w.astype(x.dtype)
         y = jax.lax.dot_general(w.reshape(-1, n_in), x.reshape(-1, n_in), (((1,), (1,)), ((), ()))).T
