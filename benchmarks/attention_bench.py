@@ -1,12 +1,13 @@
 """A prompt's attention through the CPU attention kernel alone (`backends/cpu/decode_attention.cc`), as a share of
-this CPU's float32 FMA peak (`benchmarks.peaks`, measured first in the same run), which its scores and weighted
-values run on: one prompt of each length in `--prompts` from position 0, every query seeing the positions up to its
-own, at a model's heads (SmolLM2's by default: 3 KV heads of 3 query heads, 64 dims) over a cache of `--cache`
-(float16, the CPU kernels' default, or float32). GFLOP/s count the causal products only (2 x 2 x head dims per
-query and position it sees), not the softmax; the best of `--repeat` calls.
+this CPU's peak (`benchmarks.peaks`, measured first in the same run) for the arithmetic its scores and weighted
+values run on: float32 FMAs, or bfloat16 pairs (vdpbf16ps) over a bfloat16 cache on a CPU with AVX-512 BF16. One
+prompt of each length in `--prompts` from position 0, every query seeing the positions up to its own, at a model's
+heads (SmolLM2's by default: 3 KV heads of 3 query heads, 64 dims) over a cache of `--cache` (float16, the CPU
+kernels' default, bfloat16 or float32). GFLOP/s count the causal products only (2 x 2 x head dims per query and
+position it sees), not the softmax; the best of `--repeat` calls.
 
     python -m benchmarks.attention_bench [--prompts 512,1024,2048] [--kv 3] [--groups 3] [--head-dim 64]
-                                         [--cache float16] [--repeat 10]
+                                         [--cache float16|bfloat16|float32] [--repeat 10]
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ def main(
 ):
     if not library.load(cache_dir() / "kernels"):
         raise SystemExit("the CPU kernels could not be built")
-    peak = peaks.measure()["float32_fma"]
-    print(f"float32 FMA peak, from registers on every core: {peak:.0f} GFLOP/s")
+    pairs = jnp.dtype(cache) == jnp.bfloat16 and library.attends_in_bfloat16() and head_dim % 16 == 0
+    form = "bf16_pairs" if pairs else "float32_fma"
+    peak = peaks.measure()[form]
+    print(f"{form} peak, from registers on every core: {peak:.0f} GFLOP/s")
     print(
         f"{kv} KV heads x {groups} query heads, {head_dim} dims, a {cache} cache: prompt tokens, ms, GFLOP/s, % of peak"
     )

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from jaxllama.core import paged_kv
+from jaxllama.core.int8_kv import BITS
 
 # The logical axes of keys and values, by layout (`core/sharding.py` maps them onto a mesh).
 _VALUES = ("batch", "kv_heads", "cache_seq", "head_dim")
@@ -26,6 +29,11 @@ class CacheLayout:
 
     transposed_keys: bool = False
     page_size: int = 0
+    bfloat16_bits: bool = False  # a bfloat16 cache kept as its bits (`int8_kv.BITS`)
+
+    def stored_dtype(self, dtype):
+        """The dtype a cache of `dtype` is stored in (an int8 cache's values' and scales' are `int8_kv`'s)."""
+        return BITS if self.bfloat16_bits and jnp.dtype(dtype) == jnp.bfloat16 else dtype
 
     @property
     def paged(self) -> bool:
@@ -54,4 +62,4 @@ class CacheLayout:
 
 
 POSITIONS_MAJOR = CacheLayout(transposed_keys=False)
-TRANSPOSED_KEYS = CacheLayout(transposed_keys=True)
+TRANSPOSED_KEYS = CacheLayout(transposed_keys=True, bfloat16_bits=True)

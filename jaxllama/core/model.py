@@ -95,7 +95,7 @@ def attention(p, c: ModelConfig, x, at: Placement, cache_k, cache_v, ops: Ops = 
     else:
         rows = (jnp.arange(x.shape[0]) if at.rows is None else at.rows)[:, None]
         if ops.cache_layout.transposed_keys:
-            cache_k = cache_k.at[rows, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
+            cache_k = cache_k.at[rows, :, :, positions].set(int8_kv.as_stored(k, cache_k.dtype), mode="drop")
         else:
             cache_k = int8_kv.write(cache_k, (rows, slice(None), positions), k)
         cache_v = int8_kv.write(cache_v, (rows, slice(None), positions), v)
@@ -203,6 +203,7 @@ def declarations(c: ModelConfig) -> dict[str, Declared]:
 def empty_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.float32, ops: Ops = XLA) -> KVCache:
     """A zero KV cache of `length` positions, laid out for `ops`."""
     k, v = ops.cache_layout.shapes(config, batch, length)
+    dtype = ops.cache_layout.stored_dtype(dtype)
     return [(int8_kv.zeros(k, dtype), int8_kv.zeros(v, dtype)) for _ in range(config.n_layers)]
 
 

@@ -177,7 +177,8 @@ def prefill_layers(
     fresh = rows is None
     if fresh:
         shapes = ops.cache_layout.shapes(config, x.shape[0], x.shape[1])
-        rows = [tuple(int8_kv.zeros(shape, cache_dtype or x.dtype) for shape in shapes)] * len(layer_params)
+        dtype = ops.cache_layout.stored_dtype(cache_dtype or x.dtype)
+        rows = [tuple(int8_kv.zeros(shape, dtype) for shape in shapes)] * len(layer_params)
     return layers(layer_params, config, x, dataclasses.replace(at, fresh=fresh), rows, ops)
 
 

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -185,6 +186,177 @@ inline float Max(const float* scores, int64_t n) {
   return top;
 }
 
+// scores[0, seen) as e^(score - top) <= 1 (by `vec.h`'s Exp); returns 1 / their total.
+inline float Exps(float* sc, int64_t seen) {
+  const float top = Max(sc, seen);
+  Vec sums = {};
+  int64_t t = 0;
+  for (; t + kLanes <= seen; t += kLanes) {
+    const Vec e = jaxllama::Exp(Load(sc + t) - top);
+    std::memcpy(sc + t, &e, sizeof(e));
+    sums += e;
+  }
+  float total = 0.0f;
+  for (int i = 0; i < kLanes; ++i) total += sums[i];
+  for (; t < seen; ++t) total += (sc[t] = std::exp(sc[t] - top));
+  return 1.0f / total;
+}
+
+// scores[0, seen) as softmax weights, zeros in [seen, until).
+inline void Softmax(float* sc, int64_t seen, int64_t until) {
+  const float inv = Exps(sc, seen);
+  for (int64_t t = 0; t < seen; ++t) sc[t] *= inv;
+  std::fill(sc + seen, sc + until, 0.0f);
+}
+
+#if defined(__AVX512BF16__)
+// A bfloat16 cache on a CPU with AVX-512 BF16: q.k and p.v as vdpbf16ps products of bfloat16 pairs, summed in
+// float32, at twice the rate of float32 FMAs. The queries and the softmax's weights are rounded to bfloat16 as the
+// cache's keys and values already are; each 32-bit lane multiplies a pair of dims (scores) or of positions
+// (weighted values) and adds both products to its sum. Every query, position and dim goes through the same
+// instructions in the same order whatever its group, block or call, so a query's result depends on nothing else.
+constexpr bool kPairDots = true;
+
+// Interleaves two rows of 16-bit elements, a's and b's lane p becoming pair p: the low 16 pairs (kLow) or the high.
+template <bool kLow>
+inline __m512i Interleave(__m512i a, __m512i b) {
+  alignas(64) static constexpr uint16_t kIndex[2][32] = {
+      {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+      {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+  return _mm512_permutex2var_epi16(a, _mm512_load_si512(kIndex[kLow ? 0 : 1]), b);
+}
+
+// acc + the products of pairs' bfloat16 pairs and the pair at `broadcast`, both of each lane's. The sums are Regs,
+// not __m512s: GCC keeps an array of those (which may alias anything) in memory, stored at every step.
+inline Reg DotPairs(Reg acc, __m512i pairs, const uint32_t* broadcast) {
+  return reinterpret_cast<Reg>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), reinterpret_cast<__m512bh>(pairs),
+                                                reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(*broadcast)))));
+}
+
+// 16 x kV 16-bit elements from p (kV 1: in the low half), or the first of them that `read` names (kPart). Whole
+// rows are plain loads: with masked ones in its loop, GCC stores every sum to the stack at each step.
+template <int kV, bool kPart = false>
+inline __m512i Load(const uint16_t* p, __mmask32 read = 0) {
+  if constexpr (kPart) return _mm512_maskz_loadu_epi16(read, p);
+  if constexpr (kV == 2) return _mm512_loadu_si512(p);
+  return _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// scores[j, t0..t0 + 16 x kV) = q[j] . keys[:, t0..] x scale for kG query vectors (bfloat16 pairs of dims, `qb`
+// [kG, hd / 2]). `count` < 16 x kV: only the first `count` positions are read and written (the cache's end).
+template <int kG, int kV, bool kPart = false>
+void ScorePairs(const uint32_t* qb, const uint16_t* keys, int64_t hd, int64_t n, int64_t t0, int64_t count,
+                float scale, float* scores) {
+  static_assert(kV == 1 || !kPart);
+  const __mmask32 read = kPart ? (__mmask32{1} << count) - 1 : ~__mmask32{0} >> (32 - 16 * kV);
+  Reg acc[kG][kV] = {};
+  for (int64_t i = 0; i < hd / 2; ++i) {
+    const uint16_t* k = keys + 2 * i * n + t0;
+    __builtin_prefetch(k + 2 * n + 32);
+    __builtin_prefetch(k + 3 * n + 32);
+    const __m512i a = Load<kV, kPart>(k, read), b = Load<kV, kPart>(k + n, read);
+    __m512i pairs[kV];
+    pairs[0] = Interleave<true>(a, b);
+    if constexpr (kV == 2) pairs[1] = Interleave<false>(a, b);
+    for (int j = 0; j < kG; ++j)
+      for (int h = 0; h < kV; ++h) acc[j][h] = DotPairs(acc[j][h], pairs[h], qb + j * hd / 2 + i);
+  }
+  __mmask16 write[kV];
+  for (int h = 0; h < kV; ++h) write[h] = static_cast<__mmask16>(read >> (16 * h));
+  for (int j = 0; j < kG; ++j)
+    for (int h = 0; h < kV; ++h)
+      _mm512_mask_storeu_ps(scores + j * n + t0 + 16 * h, write[h], reinterpret_cast<__m512>(acc[j][h] * scale));
+}
+
+// out[j, e0..e0 + 16 x kV) = sum over t < 2 x pairs of p[j, t] x values[t, e0..] for kG query vectors (bfloat16
+// pairs of positions, `pb` [kG, stride]); the last pair's second row is `odd`'s zeros when only its first is
+// visible.
+template <int kG, int kV>
+void WeighPairs(const uint32_t* pb, int64_t stride, const uint16_t* values, int64_t hd, int64_t pairs, bool odd,
+                int64_t e0, float* out) {
+  Reg acc[kG][kV] = {};
+  for (int64_t i = 0; i < pairs; ++i) {
+    const uint16_t* v = values + 2 * i * hd + e0;
+    __builtin_prefetch(v + 8 * hd);
+    const bool last_alone = odd && i == pairs - 1;
+    const __m512i a = Load<kV>(v), b = last_alone ? _mm512_setzero_si512() : Load<kV>(v + hd);
+    __m512i both[kV];
+    both[0] = Interleave<true>(a, b);
+    if constexpr (kV == 2) both[1] = Interleave<false>(a, b);
+    for (int j = 0; j < kG; ++j)
+      for (int h = 0; h < kV; ++h) acc[j][h] = DotPairs(acc[j][h], both[h], pb + j * stride + i);
+  }
+  for (int j = 0; j < kG; ++j)
+    for (int h = 0; h < kV; ++h) std::memcpy(out + j * hd + e0 + 16 * h, &acc[j][h], sizeof(Reg));
+}
+
+// `count` floats from `from`, times `times` and rounded to bfloat16 (to nearest, even), to `to`; the rest of
+// `padded` zeros.
+inline void ToPairs(const float* from, int64_t count, int64_t padded, uint16_t* to, float times = 1.0f) {
+  const __m512 by = _mm512_set1_ps(times);
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
+                                                                 _mm512_mul_ps(_mm512_loadu_ps(from + i), by))));
+  if (i < count) {
+    const __mmask16 left = static_cast<__mmask16>((1u << (count - i)) - 1);
+    _mm256_mask_storeu_epi16(to + i, left, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
+                                               _mm512_mul_ps(_mm512_maskz_loadu_ps(left, from + i), by))));
+  }
+  std::fill(to + count, to + padded, uint16_t{0});
+}
+
+template <int kG>
+void HeadsPairs(const uint32_t* qb, const uint32_t* pb, int64_t stride, const uint16_t* keys, const uint16_t* values,
+                int64_t visible, int64_t hd, int64_t n, float scale, float* out, float* scores, bool scoring) {
+  if (scoring) {
+    int64_t t0 = 0;
+    for (; t0 < visible && t0 + 32 <= n; t0 += 32) ScorePairs<kG, 2>(qb, keys, hd, n, t0, 32, scale, scores);
+    for (; t0 < visible && t0 + 16 <= n; t0 += 16) ScorePairs<kG, 1>(qb, keys, hd, n, t0, 16, scale, scores);
+    if (t0 < visible) ScorePairs<kG, 1, true>(qb, keys, hd, n, t0, n - t0, scale, scores);
+  } else {
+    const int64_t pairs = (visible + 1) / 2;
+    int64_t e0 = 0;
+    for (; e0 + 32 <= hd; e0 += 32) WeighPairs<kG, 2>(pb, stride, values, hd, pairs, visible % 2, e0, out);
+    for (; e0 < hd; e0 += 16) WeighPairs<kG, 1>(pb, stride, values, hd, pairs, visible % 2, e0, out);
+  }
+}
+
+// Attend's work over a bfloat16 cache whose head dims are a multiple of 16, on vdpbf16ps (above).
+void AttendPairs(const float* q, const uint16_t* keys, const uint16_t* values, const int64_t* visible, int64_t m,
+                 int64_t hd, int64_t n, float* out, float* scores) {
+  thread_local std::vector<uint16_t> qb, pb;
+  const int64_t most = *std::max_element(visible, visible + m), stride = (most + 1) / 2;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  qb.resize(m * hd);
+  pb.resize(m * 2 * stride);
+  for (int64_t j = 0; j < m; ++j) ToPairs(q + j * hd, hd, hd, qb.data() + j * hd);
+  using Fn = void (*)(const uint32_t*, const uint32_t*, int64_t, const uint16_t*, const uint16_t*, int64_t, int64_t,
+                      int64_t, float, float*, float*, bool);
+  static constexpr Fn kHeads[] = {HeadsPairs<1>, HeadsPairs<2>, HeadsPairs<3>, HeadsPairs<4>,
+                                  HeadsPairs<5>, HeadsPairs<6>, HeadsPairs<7>, HeadsPairs<8>,
+                                  HeadsPairs<9>, HeadsPairs<10>, HeadsPairs<11>, HeadsPairs<12>};
+  static_assert(sizeof(kHeads) / sizeof(Fn) == kQueriesAtOnce);
+  const auto* q32 = reinterpret_cast<const uint32_t*>(qb.data());
+  const auto* p32 = reinterpret_cast<const uint32_t*>(pb.data());
+  for (int64_t j = 0; j < m; j += kQueriesAtOnce)
+    kHeads[std::min<int64_t>(kQueriesAtOnce, m - j) - 1](q32 + j * hd / 2, p32 + j * stride, stride, keys, values,
+                                                         most, hd, n, scale, out + j * hd, scores + j * n, true);
+  for (int64_t j = 0; j < m; ++j) {
+    float* sc = scores + j * n;
+    ToPairs(sc, visible[j], 2 * stride, pb.data() + j * 2 * stride, Exps(sc, visible[j]));
+  }
+  for (int64_t j = 0; j < m; j += kQueriesAtOnce)
+    kHeads[std::min<int64_t>(kQueriesAtOnce, m - j) - 1](q32 + j * hd / 2, p32 + j * stride, stride, keys, values,
+                                                         most, hd, n, scale, out + j * hd, scores + j * n, false);
+}
+#else
+constexpr bool kPairDots = false;
+void AttendPairs(const float*, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t, int64_t, float*,
+                 float*) {}
+#endif
+
 // m query vectors of one slot and kv head: q [m, dim], query i seeing positions [0, visible[i]); keys [dim, length];
 // values [length, dim]; out [m, dim]; scores [m, length] is scratch. Scores and weighted values run over the most
 // positions any of them sees, `Groups` of them at a time, their sums in registers (`Heads`): each key and value
@@ -194,28 +366,19 @@ template <typename C>
 void Attend(const float* q, const C* keys, const C* values, const int64_t* visible, int64_t m, const Shape& s,
             float* out, float* scores) {
   const int64_t hd = s.dim, n = s.length;
+  if constexpr (std::is_same_v<C, BFloat16> && kPairDots) {
+    if (hd % 16 == 0) {
+      static_assert(sizeof(BFloat16) == sizeof(uint16_t));
+      AttendPairs(q, reinterpret_cast<const uint16_t*>(keys), reinterpret_cast<const uint16_t*>(values), visible, m,
+                  hd, n, out, scores);
+      return;
+    }
+  }
   const int64_t most = *std::max_element(visible, visible + m);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const auto groups = std::make_index_sequence<kQueriesAtOnce>{};
   Groups(q, keys, values, most, m, hd, n, scale, out, scores, true, groups);
-  for (int64_t j = 0; j < m; ++j) {
-    float* sc = scores + j * n;
-    const int64_t seen = visible[j];
-    const float top = Max(sc, seen);
-    Vec sums = {};
-    int64_t t = 0;
-    for (; t + kLanes <= seen; t += kLanes) {  // e^(score - top) <= 1, by `vec.h`'s Exp
-      const Vec e = jaxllama::Exp(Load(sc + t) - top);
-      std::memcpy(sc + t, &e, sizeof(e));
-      sums += e;
-    }
-    float total = 0.0f;
-    for (int i = 0; i < kLanes; ++i) total += sums[i];
-    for (; t < seen; ++t) total += (sc[t] = std::exp(sc[t] - top));
-    const float inv = 1.0f / total;
-    for (int64_t t = 0; t < seen; ++t) sc[t] *= inv;
-    std::fill(sc + seen, sc + most, 0.0f);
-  }
+  for (int64_t j = 0; j < m; ++j) Softmax(scores + j * n, visible[j], most);
   Groups(q, keys, values, most, m, hd, n, scale, out, scores, false, groups);
 }
 
@@ -298,10 +461,13 @@ XLA_FFI_Error* Run(XLA_FFI_CallFrame* frame, XLA_FFI_Buffer* const* in, XLA_FFI_
 
 }  // namespace
 
+// Whether a bfloat16 cache's q.k and p.v run as bfloat16 products (AttendPairs) in this build.
+extern "C" int JaxllamaAttendsInBfloat16() { return kPairDots ? 1 : 0; }
+
 // Arguments: q [rows, kv, groups, dim] f32; keys [slots, kv, dim, length] and values [slots, kv, length, dim], both
-// f32, f16 or bf16; slots [rows] s32 (the cache row of each query row; out of range: a padding row, whose output is
-// zeros); positions [rows] s32 (the query's position: it sees positions 0..position). Result: [rows, kv, groups,
-// dim] f32.
+// f32, f16 or bf16 (or u16: bf16's bits); slots [rows] s32 (the cache row of each query row; out of range: a padding
+// row, whose output is zeros); positions [rows] s32 (the query's position: it sees positions 0..position). Result:
+// [rows, kv, groups, dim] f32.
 extern "C" XLA_FFI_Error* JaxllamaDecodeAttention(XLA_FFI_CallFrame* frame) {
   using jaxllama::Fail;
   const XLA_FFI_Api* api = frame->api;
@@ -318,8 +484,9 @@ extern "C" XLA_FFI_Error* JaxllamaDecodeAttention(XLA_FFI_CallFrame* frame) {
     if (b->rank != 4) return Fail(api, "decode_attention: q, keys, values and the result [.,.,.,.]");
   const XLA_FFI_DataType cache = keys->dtype;
   if (q->dtype != XLA_FFI_DataType_F32 || result->dtype != XLA_FFI_DataType_F32 || values->dtype != cache ||
-      !(cache == XLA_FFI_DataType_F32 || cache == XLA_FFI_DataType_F16 || cache == XLA_FFI_DataType_BF16))
-    return Fail(api, "decode_attention: f32 q and result, keys and values both f32, f16 or bf16");
+      !(cache == XLA_FFI_DataType_F32 || cache == XLA_FFI_DataType_F16 || cache == XLA_FFI_DataType_BF16 ||
+        cache == XLA_FFI_DataType_U16))
+    return Fail(api, "decode_attention: f32 q and result, keys and values both f32, f16, bf16 or u16 (bf16's bits)");
   if (slots->dtype != XLA_FFI_DataType_S32 || positions->dtype != XLA_FFI_DataType_S32 || slots->rank != 1 ||
       positions->rank != 1)
     return Fail(api, "decode_attention: s32 [rows] slots and positions");
@@ -330,6 +497,6 @@ extern "C" XLA_FFI_Error* JaxllamaDecodeAttention(XLA_FFI_CallFrame* frame) {
 
   const Shape shape{qd[0], kd[0], qd[1], qd[2], qd[3], kd[3]};
   if (cache == XLA_FFI_DataType_F16) return Run<Half>(frame, in, result, shape);
-  if (cache == XLA_FFI_DataType_BF16) return Run<BFloat16>(frame, in, result, shape);
+  if (cache == XLA_FFI_DataType_BF16 || cache == XLA_FFI_DataType_U16) return Run<BFloat16>(frame, in, result, shape);
   return Run<float>(frame, in, result, shape);
 }

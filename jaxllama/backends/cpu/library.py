@@ -40,13 +40,14 @@ log = logging.getLogger(__name__)
 
 
 _loaded: bool | None = None  # what the process's first `load` came to
+_library: ctypes.CDLL | None = None
 
 
 def load(folder: Path) -> bool:
     """Build the kernels into `folder` (once per machine and version) and register them with XLA. XLA takes one
     handler per target and process, so the process's first call decides for all. False, with a warning saying
     why, where they cannot be built or loaded, or where `JAXLLAMA_CPU_KERNELS=0`."""
-    global _loaded
+    global _loaded, _library
     if os.environ.get("JAXLLAMA_CPU_KERNELS", "1") == "0":
         return False
     if _loaded is None:
@@ -59,11 +60,17 @@ def load(folder: Path) -> bool:
                 library = ctypes.cdll.LoadLibrary(str(build(Path(folder))))
             for target, handler in TARGETS.items():
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, handler)), platform="cpu")
-            _loaded = True
+            _loaded, _library = True, library
         except Exception as e:  # no compiler, a failed build, a library XLA refuses: XLA's code instead
             log.warning("CPU kernels unavailable, using XLA's code: %s", e)
             _loaded = False
     return _loaded
+
+
+def attends_in_bfloat16() -> bool:
+    """Whether the loaded kernels compute attention over a bfloat16 cache in bfloat16 products (vdpbf16ps, on a CPU
+    with AVX-512 BF16), rather than in float32."""
+    return bool(_library is not None and _library.JaxllamaAttendsInBfloat16())
 
 
 def build(folder: Path) -> Path:

@@ -10,6 +10,7 @@ import pytest
 
 from jaxllama.backends.cpu import decode_attention, library
 from jaxllama.backends.cpu.ops import CpuOps
+from jaxllama.core import int8_kv
 from jaxllama.core.ops import XLA
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
@@ -29,6 +30,35 @@ def xla_attention(q, keys, values, slots, positions):
     """XLA's attention over the kernel's cache: keys transposed for the kernel, positions-major for XLA."""
     keys = jnp.swapaxes(keys, 2, 3)
     return XLA.attention(q[:, None], keys, values, positions[:, None], rows=slots)[:, 0]
+
+
+def to_bfloat16(x) -> np.ndarray:
+    """x rounded to bfloat16 (to nearest, even), as float64."""
+    return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def bfloat16_attention(q, keys, values, slots, positions):
+    """The attention the kernel computes over a bfloat16 cache where the CPU has AVX-512 BF16, in float64: the
+    queries, and the softmax's weights before they multiply the values, rounded to bfloat16 as the cache is."""
+    q, keys, values = to_bfloat16(q), np.asarray(keys, np.float64), np.asarray(values, np.float64)
+    out = np.zeros(q.shape)
+    for i, (slot, position) in enumerate(zip(slots, positions, strict=True)):
+        if slot >= keys.shape[0]:
+            continue  # a padding row
+        seen = position + 1
+        scores = np.einsum("kgd,kdt->kgt", q[i], keys[slot, :, :, :seen]) / np.sqrt(q.shape[-1])
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        weights = to_bfloat16(weights / weights.sum(-1, keepdims=True))
+        out[i] = np.einsum("kgt,ktd->kgd", weights, values[slot, :, :seen])
+    return out
+
+
+def oracle(dtype, head_dim: int):
+    """The attention the kernel computes over a cache of `dtype`, and how closely: XLA's in float32, or
+    `bfloat16_attention`'s (head dims of a multiple of 16)."""
+    if jnp.dtype(dtype) == jnp.bfloat16 and library.attends_in_bfloat16() and head_dim % 16 == 0:
+        return bfloat16_attention, {"rtol": 2e-3, "atol": 2e-3}
+    return jax.jit(xla_attention), {"rtol": 1e-5, "atol": 2e-6}
 
 
 @pytest.mark.slow
@@ -59,25 +89,29 @@ def test_kernel_matches_xla(kernel, rows, slots, kv, groups, head_dim, length, d
     positions[0] = 0  # sees one position
     positions[-2 if rows > 2 else 0] = length - 1  # sees the whole cache
     got = np.asarray(kernel(q, keys, values, rows_in, positions))
-    want = np.asarray(jax.jit(xla_attention)(q, keys, values, rows_in, positions))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+    attention, tolerance = oracle(dtype, head_dim)
+    np.testing.assert_allclose(got, attention(q, keys, values, rows_in, positions), **tolerance)
     if rows > 2:
         assert not got[-1].any()
+    if dtype == jnp.bfloat16:  # the same cache given as its bits, as the engine keeps it
+        bits = [jax.lax.bitcast_convert_type(x, int8_kv.BITS) for x in (keys, values)]
+        np.testing.assert_array_equal(np.asarray(kernel(q, *bits, rows_in, positions)), got)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])  # the cache's
 @pytest.mark.parametrize(
     "groups, head_dim, length", [(3, 64, 300), (1, 16, 77), (8, 32, 64), (5, 24, 203), (16, 32, 70)]
 )
-def test_prompt_rows_are_computed_as_one_at_a_time(kernel, groups, head_dim, length):
+def test_prompt_rows_are_computed_as_one_at_a_time(kernel, groups, head_dim, length, dtype):
     """A prompt's consecutive rows (computed together, a run of them per group of query vectors) give each row's
     result bit for bit as that row alone does, whatever shares its call: prompts of several slots, one that starts
-    past position 0 (over a reused prefix), a padding row among them and decode rows; and XLA's within float32's
-    rounding."""
+    past position 0 (over a reused prefix), a padding row among them and decode rows; and the oracle's (XLA's within
+    float32's rounding) too."""
     rng = np.random.default_rng(groups + length)
     slots, kv = 4, 2
     q = rng.standard_normal((40, kv, groups, head_dim), np.float32)
-    keys = rng.standard_normal((slots, kv, head_dim, length), np.float32)
-    values = rng.standard_normal((slots, kv, length, head_dim), np.float32)
+    keys = jnp.asarray(rng.standard_normal((slots, kv, head_dim, length), np.float32), dtype)
+    values = jnp.asarray(rng.standard_normal((slots, kv, length, head_dim), np.float32), dtype)
     rows = np.array([0] * 13 + [2] * 11 + [slots] + [1] * 9 + [3, 0, 2, 1, 3, 3], np.int32)
     positions = np.concatenate(
         [np.arange(13), np.arange(length - 11, length), [0], np.arange(40, 49), [5, 13, length - 1, 9, 0, 1]]
@@ -90,8 +124,8 @@ def test_prompt_rows_are_computed_as_one_at_a_time(kernel, groups, head_dim, len
         ]
     )
     np.testing.assert_array_equal(together, alone)
-    want = np.asarray(jax.jit(xla_attention)(q, keys, values, rows, positions))
-    np.testing.assert_allclose(together, want, rtol=1e-5, atol=2e-6)
+    attention, tolerance = oracle(dtype, head_dim)
+    np.testing.assert_allclose(together, attention(q, keys, values, rows, positions), **tolerance)
     assert not together[24].any()  # the padding row
 
 
@@ -109,9 +143,10 @@ def test_the_kernels_cache_is_float16_unless_asked(kernel):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "bfloat16"])
 def test_engine_with_and_without_the_kernel_agree(kernel, kv_cache_dtype):
-    """Prefills and decode steps attend through the kernel or XLA over the same cache (float32, or float16)."""
+    """Prefills and decode steps attend through the kernel or XLA over the same cache (float32, float16, or
+    bfloat16, which the kernels' engine keeps as its bits)."""
     config = tiny_config()  # the engine tests' model, whose random initializer the session compiles once
     params = spread_params(config, seed=3)
     prompts = random_prompts(12, seed=5)
@@ -119,7 +154,9 @@ def test_engine_with_and_without_the_kernel_agree(kernel, kv_cache_dtype):
     for use in (True, False):
         mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
         engine = Engine(config, params, mesh, eos_ids=[], max_slots=8, cpu_kernels=use, kv_cache_dtype=kv_cache_dtype)
-        assert engine.runner.cache[0][0].dtype == jnp.dtype(kv_cache_dtype)
+        assert engine.options.kv_cache_dtype == kv_cache_dtype
+        stored = int8_kv.BITS if use and kv_cache_dtype == "bfloat16" else jnp.dtype(kv_cache_dtype)
+        assert engine.runner.cache[0][0].dtype == engine.runner.cache[0][1].dtype == stored
         requests = [Request(i, p, SamplingParams(max_tokens=6 + i, temperature=0.0)) for i, p in enumerate(prompts)]
         out = {i: [] for i in range(len(prompts))}
         for update in engine.generate(requests):
