@@ -9,10 +9,14 @@ int8 quads for `--quantize w8a8`, float32 FMAs for float weights.
 
 Each is run once to compile, then timed on new prompts. G(FL)OP/s count the model's products (2 per weight per
 token; the output layer only for the rows whose logits are computed), then with attention (2 x 2 x heads x head
-dimension per attended position per layer) too.
+dimension per attended position per layer) too. "% of roofline": the time the products and attention would take at
+the peaks of the arithmetic each runs on (attention: float32 FMAs, or bfloat16 pairs over a bfloat16 cache where the
+kernels compute it so), over the time taken; the rest is the norms, rotations, copies, the softmax, and arithmetic
+short of its peak. Decode also reads the cache, which this leaves out.
 
     python -m benchmarks.roofline [--model PATH] [--quantize default,w8a8] [--prompts 512,1024,2048]
                                   [--tokens 4096] [--decode-rows 64] [--decode-prompt 256] [--decode-tokens 32]
+                                  [--kv-cache-dtype float16|bfloat16|float32]
 
 `--model`: the default model, or any model `jaxllama run --model` takes, e.g. a random-weight GGUF of the Llama 3.2
 1B shape (`make_gguf.py 1b`).
@@ -29,6 +33,7 @@ import numpy as np
 from benchmarks import peaks
 from benchmarks.matmul_bench import _list
 from jaxllama import LLM
+from jaxllama.backends.cpu import library
 
 # The arithmetic each weight form's products run on (`benchmarks.peaks.FORMS`).
 PEAK_OF = {"default": "int16_pairs", "q8_0": "int16_pairs", "w8a8": "int8_quads", "q4_0": "int8_quads"}
@@ -71,9 +76,13 @@ def _run(llm, prompts, max_tokens: int) -> tuple[float, float, int]:
     return after.prefill_s - before.prefill_s, after.decode_s - before.decode_s, computed
 
 
-def _report(label: str, seconds: float, tokens: int, flops: tuple[float, float], peak: float) -> None:
+def _report(label: str, seconds: float, tokens: int, flops: tuple[float, float], peak: float, attention_peak: float):
     rate, total = flops[0] / seconds / 1e9, sum(flops) / seconds / 1e9
-    print(f"{label:>26} {tokens / seconds:9.0f} {rate:15.1f} {100 * rate / peak:9.0f}% {total:15.1f}")
+    ideal = (flops[0] / peak + flops[1] / attention_peak) / 1e9
+    print(
+        f"{label:>26} {tokens / seconds:9.0f} {rate:15.1f} {100 * rate / peak:9.0f}% {total:15.1f}"
+        f" {100 * ideal / seconds:12.0f}%"
+    )
 
 
 def main(
@@ -84,6 +93,7 @@ def main(
     decode_rows: int = 64,
     decode_prompt: int = 256,
     decode_tokens: int = 32,
+    kv_cache_dtype: str | None = None,
 ):
     peak = peaks.measure()
     print("peaks, from registers on every core: " + ", ".join(f"{k} {v:.0f} G(FL)OP/s" for k, v in peak.items()))
@@ -92,21 +102,27 @@ def main(
     for form in _list(quantize):
         context = max(max(lengths), decode_prompt + decode_tokens) + 1
         slots = max(decode_rows, max(1, tokens // min(lengths)))
-        llm = LLM.load(model, quantize=None if form == "default" else form, max_slots=slots, max_context=context)
+        quantize = None if form == "default" else form
+        llm = LLM.load(model, quantize=quantize, max_slots=slots, max_context=context, kv_cache_dtype=kv_cache_dtype)
         config, top = llm.config, peak[PEAK_OF[form]]
+        pairs = llm.engine.options.kv_cache_dtype == "bfloat16" and library.attends_in_bfloat16()
+        attention_top = peak["bf16_pairs" if pairs and config.head_dim % 16 == 0 else "float32_fma"]
         shape = Shape.of(config)
         random = functools.partial(_random_prompts, rng, config.vocab_size)
         print(f"\n{form}: {config.n_layers} layers, dim {config.dim}; its products' peak {top:.0f} G(FL)OP/s")
-        print(f"{'work':>26} {'tokens/s':>9} {'products GOP/s':>15} {'% of peak':>10} {'with attention':>15}")
+        print(
+            f"{'work':>26} {'tokens/s':>9} {'products GOP/s':>15} {'% of peak':>10} {'with attention':>15}"
+            f" {'% of roofline':>13}"
+        )
         for length in lengths:
             count = max(1, tokens // length)
             prefill_s, _, computed = _run(llm, random(count, length), 1)
             flops = shape.flops(computed, count, count * length * (length + 1) // 2)
-            _report(f"prefill {count} x {length}", prefill_s, computed, flops, top)
+            _report(f"prefill {count} x {length}", prefill_s, computed, flops, top, attention_top)
         _, decode_s, _ = _run(llm, random(decode_rows, decode_prompt), decode_tokens + 1)
         rows = decode_rows * decode_tokens
         positions = decode_rows * sum(decode_prompt + i for i in range(1, decode_tokens + 1))
-        _report(f"decode {decode_rows} rows", decode_s, rows, shape.flops(rows, rows, positions), top)
+        _report(f"decode {decode_rows} rows", decode_s, rows, shape.flops(rows, rows, positions), top, attention_top)
         del llm
 
 
