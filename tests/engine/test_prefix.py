@@ -126,14 +126,16 @@ def test_reuse_keeps_penalties_and_seeds_exact(tiny):
 
 
 @pytest.mark.slow
-def test_a_float16_cache_gives_the_same_numbers_from_a_stored_prefix_as_computed_afresh(tiny):
-    """With the cache in 16 bits, a prompt computed from its start attends over the same rounded keys and values
-    as one that starts from a slot's stored prefix: the same log-probabilities, to the bit, either way."""
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_16_bit_cache_gives_the_same_numbers_from_a_stored_prefix_as_computed_afresh(tiny, dtype):
+    """With the cache in 16 bits (bfloat16's kept as its bits by the CPU kernels), a prompt computed from its start
+    attends over the same rounded keys and values as one that starts from a slot's stored prefix: the same
+    log-probabilities, to the bit, either way."""
     rng = np.random.default_rng(6)
     first = rng.integers(3, 131, 30).tolist()
     second = first + rng.integers(3, 131, 9).tolist()
-    fresh = token_logprobs(_engine(tiny, max_slots=4, kv_cache_dtype="float16"), greedy_request("b", second))
-    engine = _engine(tiny, max_slots=4, kv_cache_dtype="float16")
+    fresh = token_logprobs(_engine(tiny, max_slots=4, kv_cache_dtype=dtype), greedy_request("b", second))
+    engine = _engine(tiny, max_slots=4, kv_cache_dtype=dtype)
     token_logprobs(engine, greedy_request("a", first, 4))
     assert engine.scheduler.prefixes.best(second)[1] >= 20  # the second prompt starts from the first's slot
     assert token_logprobs(engine, greedy_request("b", second)) == fresh
