@@ -201,7 +201,8 @@ def declarations(c: ModelConfig) -> dict[str, Declared]:
 
 
 def empty_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.float32, ops: Ops = XLA) -> KVCache:
-    """A zero KV cache of `length` positions, laid out for `ops`."""
+    """A zero KV cache of `length` positions, laid out for `ops` (a bfloat16 cache for the CPU kernels comes back as
+    its bits, uint16: `CacheLayout.stored_dtype`)."""
     k, v = ops.cache_layout.shapes(config, batch, length)
     dtype = ops.cache_layout.stored_dtype(dtype)
     return [(int8_kv.zeros(k, dtype), int8_kv.zeros(v, dtype)) for _ in range(config.n_layers)]

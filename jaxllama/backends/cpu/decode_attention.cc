@@ -304,7 +304,7 @@ inline void ToPairs(const float* from, int64_t count, int64_t padded, uint16_t* 
     _mm256_mask_storeu_epi16(to + i, left, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
                                                _mm512_mul_ps(_mm512_maskz_loadu_ps(left, from + i), by))));
   }
-  std::fill(to + count, to + padded, uint16_t{0});
+  std::memset(to + count, 0, (padded - count) * sizeof(uint16_t));  // bytes: `to` may be 32-bit words
 }
 
 template <int kG>
@@ -326,26 +326,28 @@ void HeadsPairs(const uint32_t* qb, const uint32_t* pb, int64_t stride, const ui
 // Attend's work over a bfloat16 cache whose head dims are a multiple of 16, on vdpbf16ps (above).
 void AttendPairs(const float* q, const uint16_t* keys, const uint16_t* values, const int64_t* visible, int64_t m,
                  int64_t hd, int64_t n, float* out, float* scores) {
-  thread_local std::vector<uint16_t> qb, pb;
+  // Pairs of bfloat16, read as 32-bit words: stored as uint32_t and written through 16-bit pointers.
+  thread_local std::vector<uint32_t> qb, pb;
   const int64_t most = *std::max_element(visible, visible + m), stride = (most + 1) / 2;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  qb.resize(m * hd);
-  pb.resize(m * 2 * stride);
-  for (int64_t j = 0; j < m; ++j) ToPairs(q + j * hd, hd, hd, qb.data() + j * hd);
+  qb.resize(m * hd / 2);
+  pb.resize(m * stride);
+  auto* q16 = reinterpret_cast<uint16_t*>(qb.data());
+  auto* p16 = reinterpret_cast<uint16_t*>(pb.data());
+  for (int64_t j = 0; j < m; ++j) ToPairs(q + j * hd, hd, hd, q16 + j * hd);
   using Fn = void (*)(const uint32_t*, const uint32_t*, int64_t, const uint16_t*, const uint16_t*, int64_t, int64_t,
                       int64_t, float, float*, float*, bool);
   static constexpr Fn kHeads[] = {HeadsPairs<1>, HeadsPairs<2>, HeadsPairs<3>, HeadsPairs<4>,
                                   HeadsPairs<5>, HeadsPairs<6>, HeadsPairs<7>, HeadsPairs<8>,
                                   HeadsPairs<9>, HeadsPairs<10>, HeadsPairs<11>, HeadsPairs<12>};
   static_assert(sizeof(kHeads) / sizeof(Fn) == kQueriesAtOnce);
-  const auto* q32 = reinterpret_cast<const uint32_t*>(qb.data());
-  const auto* p32 = reinterpret_cast<const uint32_t*>(pb.data());
+  const uint32_t *q32 = qb.data(), *p32 = pb.data();
   for (int64_t j = 0; j < m; j += kQueriesAtOnce)
     kHeads[std::min<int64_t>(kQueriesAtOnce, m - j) - 1](q32 + j * hd / 2, p32 + j * stride, stride, keys, values,
                                                          most, hd, n, scale, out + j * hd, scores + j * n, true);
   for (int64_t j = 0; j < m; ++j) {
     float* sc = scores + j * n;
-    ToPairs(sc, visible[j], 2 * stride, pb.data() + j * 2 * stride, Exps(sc, visible[j]));
+    ToPairs(sc, visible[j], 2 * stride, p16 + j * 2 * stride, Exps(sc, visible[j]));
   }
   for (int64_t j = 0; j < m; j += kQueriesAtOnce)
     kHeads[std::min<int64_t>(kQueriesAtOnce, m - j) - 1](q32 + j * hd / 2, p32 + j * stride, stride, keys, values,
