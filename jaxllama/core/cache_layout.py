@@ -14,8 +14,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jaxllama.core import paged_kv
-from jaxllama.core.int8_kv import BITS
+from jaxllama.core import int8_kv, paged_kv
 
 # The logical axes of keys and values, by layout (`core/sharding.py` maps them onto a mesh).
 _VALUES = ("batch", "kv_heads", "cache_seq", "head_dim")
@@ -31,9 +30,11 @@ class CacheLayout:
     page_size: int = 0
     bfloat16_bits: bool = False  # a bfloat16 cache kept as its bits (`int8_kv.BITS`)
 
-    def stored_dtype(self, dtype):
-        """The dtype a cache of `dtype` is stored in (an int8 cache's values' and scales' are `int8_kv`'s)."""
-        return BITS if self.bfloat16_bits and jnp.dtype(dtype) == jnp.bfloat16 else dtype
+    def zeros(self, shape: tuple[int, ...], dtype):
+        """A zero cache array of `shape` for a cache of `dtype`, as this layout stores it: a bfloat16 cache as its
+        bits where `bfloat16_bits`, an int8 cache as an `int8_kv.Int8KV`."""
+        bits = self.bfloat16_bits and jnp.dtype(dtype) == jnp.bfloat16
+        return int8_kv.zeros(shape, int8_kv.BITS if bits else dtype)
 
     @property
     def paged(self) -> bool:

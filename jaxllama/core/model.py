@@ -94,11 +94,9 @@ def attention(p, c: ModelConfig, x, at: Placement, cache_k, cache_v, ops: Ops = 
             out = ops.paged_attention(q, cache_k, cache_v, positions, pages)
     else:
         rows = (jnp.arange(x.shape[0]) if at.rows is None else at.rows)[:, None]
-        if ops.cache_layout.transposed_keys:
-            cache_k = cache_k.at[rows, :, :, positions].set(int8_kv.as_stored(k, cache_k.dtype), mode="drop")
-        else:
-            cache_k = int8_kv.write(cache_k, (rows, slice(None), positions), k)
-        cache_v = int8_kv.write(cache_v, (rows, slice(None), positions), v)
+        index = (rows, slice(None), positions)  # keys transposed: [rows, kv, head_dim, positions]
+        keys_index = (rows, slice(None), slice(None), positions) if ops.cache_layout.transposed_keys else index
+        cache_k, cache_v = int8_kv.write(cache_k, keys_index, k), int8_kv.write(cache_v, index, v)
         if out is None:
             out = ops.attention(q, cache_k, cache_v, positions, at.rows)
     out = out.reshape(*out.shape[:2], c.n_heads, c.head_dim)  # [b, t, heads, head_dim]
@@ -202,10 +200,10 @@ def declarations(c: ModelConfig) -> dict[str, Declared]:
 
 def empty_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.float32, ops: Ops = XLA) -> KVCache:
     """A zero KV cache of `length` positions, laid out for `ops` (a bfloat16 cache for the CPU kernels comes back as
-    its bits, uint16: `CacheLayout.stored_dtype`)."""
-    k, v = ops.cache_layout.shapes(config, batch, length)
-    dtype = ops.cache_layout.stored_dtype(dtype)
-    return [(int8_kv.zeros(k, dtype), int8_kv.zeros(v, dtype)) for _ in range(config.n_layers)]
+    its bits, uint16: `CacheLayout.zeros`)."""
+    layout = ops.cache_layout
+    k, v = layout.shapes(config, batch, length)
+    return [(layout.zeros(k, dtype), layout.zeros(v, dtype)) for _ in range(config.n_layers)]
 
 
 def forward(

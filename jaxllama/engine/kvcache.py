@@ -67,7 +67,7 @@ def abstract(config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype, la
     """The cache's shapes, dtypes and shardings (ShapeDtypeStructs): what programs are compiled for without one."""
     check_layout(dtype, layout)
     shapes, shardings = layout.shapes(config, slots, length), cache_sharding(config, mesh, layout, dtype)
-    structs = jax.eval_shape(lambda: tuple(int8_kv.zeros(s, layout.stored_dtype(dtype)) for s in shapes))
+    structs = jax.eval_shape(lambda: tuple(layout.zeros(s, dtype) for s in shapes))
     with_sharding = lambda x, d: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=d)
     return [jax.tree.map(with_sharding, structs, shardings)] * config.n_layers
 
@@ -75,7 +75,7 @@ def abstract(config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype, la
 def bytes_per_layer(config: ModelConfig, slots: int, length: int, dtype, layout=POSITIONS_MAJOR) -> int:
     """The bytes of one layer's keys and values (with an int8 cache's scales), unsharded."""
     shapes = layout.shapes(config, slots, length)
-    structs = jax.eval_shape(lambda: [int8_kv.zeros(s, layout.stored_dtype(dtype)) for s in shapes])
+    structs = jax.eval_shape(lambda: [layout.zeros(s, dtype) for s in shapes])
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(structs))
 
 
@@ -83,8 +83,7 @@ def allocate(config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype, la
     check_layout(dtype, layout)
     shapes, shardings = layout.shapes(config, slots, length), cache_sharding(config, mesh, layout, dtype)
     make = [
-        jax.jit(lambda s=s: int8_kv.zeros(s, layout.stored_dtype(dtype)), out_shardings=d)
-        for s, d in zip(shapes, shardings, strict=True)
+        jax.jit(lambda s=s: layout.zeros(s, dtype), out_shardings=d) for s, d in zip(shapes, shardings, strict=True)
     ]
     return [(make[0](), make[1]()) for _ in range(config.n_layers)]
 

@@ -25,7 +25,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxllama.core import int8_kv
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import KVCache, Placement, embed, head, layers
 from jaxllama.core.ops import XLA, Ops
@@ -177,8 +176,7 @@ def prefill_layers(
     fresh = rows is None
     if fresh:
         shapes = ops.cache_layout.shapes(config, x.shape[0], x.shape[1])
-        dtype = ops.cache_layout.stored_dtype(cache_dtype or x.dtype)
-        rows = [tuple(int8_kv.zeros(shape, dtype) for shape in shapes)] * len(layer_params)
+        rows = [tuple(ops.cache_layout.zeros(shape, cache_dtype or x.dtype) for shape in shapes)] * len(layer_params)
     return layers(layer_params, config, x, dataclasses.replace(at, fresh=fresh), rows, ops)
 
 
