@@ -36,7 +36,7 @@ def main(
 ):
     if not library.load(cache_dir() / "kernels"):
         raise SystemExit("the CPU kernels could not be built")
-    pairs = jnp.dtype(cache) == jnp.bfloat16 and library.attends_in_bfloat16() and head_dim % 16 == 0
+    pairs = jnp.dtype(cache) == jnp.bfloat16 and library.attends_in_bfloat16(head_dim)
     form = "bf16_pairs" if pairs else "float32_fma"
     peak = peaks.measure()[form]
     print(f"{form} peak, from registers on every core: {peak:.0f} GFLOP/s")

@@ -105,8 +105,8 @@ def main(
         quantize = None if form == "default" else form
         llm = LLM.load(model, quantize=quantize, max_slots=slots, max_context=context, kv_cache_dtype=kv_cache_dtype)
         config, top = llm.config, peak[PEAK_OF[form]]
-        pairs = llm.engine.options.kv_cache_dtype == "bfloat16" and library.attends_in_bfloat16()
-        attention_top = peak["bf16_pairs" if pairs and config.head_dim % 16 == 0 else "float32_fma"]
+        pairs = llm.engine.options.kv_cache_dtype == "bfloat16" and library.attends_in_bfloat16(config.head_dim)
+        attention_top = peak["bf16_pairs" if pairs else "float32_fma"]
         shape = Shape.of(config)
         random = functools.partial(_random_prompts, rng, config.vocab_size)
         print(f"\n{form}: {config.n_layers} layers, dim {config.dim}; its products' peak {top:.0f} G(FL)OP/s")

@@ -359,6 +359,9 @@ void AttendPairs(const float*, const uint16_t*, const uint16_t*, const int64_t*,
                  float*) {}
 #endif
 
+// Whether AttendPairs computes a bfloat16 cache's heads of `hd` dims (16 dims to a vector of pairs), else float32.
+inline bool PairDots(int64_t hd) { return kPairDots && hd % 16 == 0; }
+
 // m query vectors of one slot and kv head: q [m, dim], query i seeing positions [0, visible[i]); keys [dim, length];
 // values [length, dim]; out [m, dim]; scores [m, length] is scratch. Scores and weighted values run over the most
 // positions any of them sees, `Groups` of them at a time, their sums in registers (`Heads`): each key and value
@@ -368,8 +371,8 @@ template <typename C>
 void Attend(const float* q, const C* keys, const C* values, const int64_t* visible, int64_t m, const Shape& s,
             float* out, float* scores) {
   const int64_t hd = s.dim, n = s.length;
-  if constexpr (std::is_same_v<C, BFloat16> && kPairDots) {
-    if (hd % 16 == 0) {
+  if constexpr (std::is_same_v<C, BFloat16>) {
+    if (PairDots(hd)) {
       static_assert(sizeof(BFloat16) == sizeof(uint16_t));
       AttendPairs(q, reinterpret_cast<const uint16_t*>(keys), reinterpret_cast<const uint16_t*>(values), visible, m,
                   hd, n, out, scores);
@@ -463,8 +466,9 @@ XLA_FFI_Error* Run(XLA_FFI_CallFrame* frame, XLA_FFI_Buffer* const* in, XLA_FFI_
 
 }  // namespace
 
-// Whether a bfloat16 cache's q.k and p.v run as bfloat16 products (AttendPairs) in this build.
-extern "C" int JaxllamaAttendsInBfloat16() { return kPairDots ? 1 : 0; }
+// Whether a bfloat16 cache's q.k and p.v run as bfloat16 products (AttendPairs) in this build, for heads of
+// `head_dim` dims.
+extern "C" int JaxllamaAttendsInBfloat16(int64_t head_dim) { return PairDots(head_dim) ? 1 : 0; }
 
 // Arguments: q [rows, kv, groups, dim] f32; keys [slots, kv, dim, length] and values [slots, kv, length, dim], both
 // f32, f16 or bf16 (or u16: bf16's bits); slots [rows] s32 (the cache row of each query row; out of range: a padding

@@ -67,10 +67,10 @@ def load(folder: Path) -> bool:
     return _loaded
 
 
-def attends_in_bfloat16() -> bool:
-    """Whether the loaded kernels compute attention over a bfloat16 cache in bfloat16 products (vdpbf16ps, on a CPU
-    with AVX-512 BF16), rather than in float32."""
-    return bool(_library is not None and _library.JaxllamaAttendsInBfloat16())
+def attends_in_bfloat16(head_dim: int) -> bool:
+    """Whether the loaded kernels compute attention over a bfloat16 cache, for heads of `head_dim` dims, in bfloat16
+    products (vdpbf16ps, on a CPU with AVX-512 BF16), rather than in float32."""
+    return bool(_library is not None and _library.JaxllamaAttendsInBfloat16(ctypes.c_int64(head_dim)))
 
 
 def build(folder: Path) -> Path:

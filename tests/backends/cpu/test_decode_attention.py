@@ -55,8 +55,8 @@ def bfloat16_attention(q, keys, values, slots, positions):
 
 def oracle(dtype, head_dim: int):
     """The attention the kernel computes over a cache of `dtype`, and how closely: XLA's in float32, or
-    `bfloat16_attention`'s (head dims of a multiple of 16)."""
-    if jnp.dtype(dtype) == jnp.bfloat16 and library.attends_in_bfloat16() and head_dim % 16 == 0:
+    `bfloat16_attention`'s where the kernels compute it so (`library.attends_in_bfloat16`)."""
+    if jnp.dtype(dtype) == jnp.bfloat16 and library.attends_in_bfloat16(head_dim):
         return bfloat16_attention, {"rtol": 2e-3, "atol": 2e-3}
     return jax.jit(xla_attention), {"rtol": 1e-5, "atol": 2e-6}
 
