@@ -11,7 +11,15 @@ from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.prefix import ResidentPrefixes, shared_prefixes
 from jaxllama.engine.request import Request, SamplingParams
-from tests.helpers.engine import EOS, greedy_request, reference_greedy, run, token_logprobs
+from tests.helpers.engine import (
+    EOS,
+    greedy_request,
+    reference_greedy,
+    run,
+    spread_params,
+    tiny_config,
+    token_logprobs,
+)
 
 
 def _engine(tiny, spec="data=1,model=1", devices=1, **kw):
@@ -130,7 +138,11 @@ def test_reuse_keeps_penalties_and_seeds_exact(tiny):
 def test_a_16_bit_cache_gives_the_same_numbers_from_a_stored_prefix_as_computed_afresh(tiny, dtype):
     """With the cache in 16 bits (bfloat16's kept as its bits by the CPU kernels), a prompt computed from its start
     attends over the same rounded keys and values as one that starts from a slot's stored prefix: the same
-    log-probabilities, to the bit, either way."""
+    log-probabilities, to the bit, either way. bfloat16 at head dim 16, where the kernels compute attention as
+    bfloat16 pairs on CPUs that have them (`library.attends_in_bfloat16`)."""
+    if dtype == "bfloat16":
+        config = tiny_config(n_heads=4)
+        tiny = config, spread_params(config)
     rng = np.random.default_rng(6)
     first = rng.integers(3, 131, 30).tolist()
     second = first + rng.integers(3, 131, 9).tolist()

@@ -146,8 +146,10 @@ def test_the_kernels_cache_is_float16_unless_asked(kernel):
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16", "bfloat16"])
 def test_engine_with_and_without_the_kernel_agree(kernel, kv_cache_dtype):
     """Prefills and decode steps attend through the kernel or XLA over the same cache (float32, float16, or
-    bfloat16, which the kernels' engine keeps as its bits)."""
-    config = tiny_config()  # the engine tests' model, whose random initializer the session compiles once
+    bfloat16, which the kernels' engine keeps as its bits, at head dim 16: bfloat16 pairs where the CPU has them)."""
+    # The engine tests' model, whose random initializer the session compiles once; for bfloat16 with heads of 16
+    # dims (the prefix tests' bfloat16 model), where the kernel computes in pairs (`library.attends_in_bfloat16`).
+    config = tiny_config(n_heads=4) if kv_cache_dtype == "bfloat16" else tiny_config()
     params = spread_params(config, seed=3)
     prompts = random_prompts(12, seed=5)
     tokens = {}
