@@ -17,6 +17,7 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -74,42 +75,76 @@ constexpr int64_t kQBlock = 32;  // inputs per scale of a quantized weight
 constexpr int64_t kAhead = 1024;  // bytes of a panel fetched ahead of the tile: one thread's stream from memory
                                   // is bound by latency (a one-row quantized product: 6.2 -> 8.7 G weights/s)
 
-// One row of a panel's output from its kParts (1 or 2) accumulators, `first` and `last`: `width` <= kPanel columns,
-// or (kGated) silu(the first kLanes columns) x the last kLanes, `width` <= kLanes. (Taking the accumulators'
-// address instead keeps them in memory throughout the tile's loop.) A whole panel's row is stored by fixed-size
-// copies, which compile to vector stores: a copy of `width` floats calls the C library's memmove, which took 11-14%
-// of a quantized product's time at 512 rows.
-template <bool kGated>
-void Store(Reg first, Reg last, float* out, int64_t width) {
-  static_assert(kParts == 1 || kParts == 2);
-  float row[kPanel];
-  std::memcpy(row, &first, sizeof(Reg));
-  if (kParts == 2) std::memcpy(row + kRegLanes, &last, sizeof(Reg));
-  constexpr int64_t kWidth = kGated ? kLanes : kPanel;
-  if (kGated) {
-    Vec gate, up;
-    std::memcpy(&gate, row, sizeof(Vec));
-    std::memcpy(&up, row + kLanes, sizeof(Vec));
-    const Vec y = jaxllama::SiluTimes(gate, up);
-    std::memcpy(row, &y, sizeof(Vec));
-  }
-  if (width == kWidth) {
-    std::memcpy(out, row, kWidth * sizeof(float));
+// The columns of an output n columns wide (out_per_panel in each panel) in panel p.
+inline int64_t Width(int64_t n, int64_t out_per_panel, int64_t p) {
+  return std::max<int64_t>(0, std::min(out_per_panel, n - p * out_per_panel));
+}
+
+// A row of `width` <= kOut outputs from `row`, a whole one by a fixed-size copy, which compiles to vector stores (a
+// copy of `width` floats calls the C library's memmove, which took 11-14% of a quantized product's time at 512 rows).
+template <int64_t kOut>
+inline void StoreRow(const float* row, float* out, int64_t width) {
+  if (width == kOut) {
+    std::memcpy(out, row, kOut * sizeof(float));
   } else {
     for (int64_t i = 0; i < width; ++i) out[i] = row[i];
   }
 }
 
-// The columns of an output n columns wide (out_per_panel in each panel) in panel p.
-inline int64_t Width(int64_t n, int64_t out_per_panel, int64_t p) {
-  return std::max<int64_t>(0, std::min(out_per_panel, n - p * out_per_panel));
+#if defined(JAXLLAMA_WIDE)
+// Two rows of a gated panel, each accumulator a row's kLanes gate then kLanes up columns: silu(gate) x up of both,
+// their gates gathered in one vector and their ups in another, so that one SiluTimes of kRegLanes serves both rows.
+inline void StoreGatedRows(Reg a, Reg b, float* out_a, float* out_b, int64_t width) {
+  const __m512 x = reinterpret_cast<__m512>(a), y = reinterpret_cast<__m512>(b);
+  const Reg gate = reinterpret_cast<Reg>(_mm512_shuffle_f32x4(x, y, 0x44));  // a's and b's low halves
+  const Reg up = reinterpret_cast<Reg>(_mm512_shuffle_f32x4(x, y, 0xee));  // their high halves
+  float both[kRegLanes];
+  const Reg silu = jaxllama::SiluTimes(gate, up);
+  std::memcpy(both, &silu, sizeof(silu));
+  StoreRow<kLanes>(both, out_a, width);
+  StoreRow<kLanes>(both + kLanes, out_b, width);
+}
+#endif
+
+// A tile's outputs from its accumulators acc[kRows][kPanels x kParts], panel j's at out + j x kOut (row stride ldo),
+// of an output n columns wide from panel p: each panel's row as is, or (kGated) silu(its first kLanes columns) x
+// its last kLanes. (Taking the accumulators' address instead keeps them in memory throughout the tile's loop.)
+template <bool kGated, int kRows, int kPanels>
+inline void StoreTile(const Reg (&acc)[kRows][kPanels * kParts], float* out, int64_t ldo, int64_t n, int64_t p) {
+  static_assert(kParts == 1 || kParts == 2);
+  constexpr int64_t kOut = kGated ? kLanes : kPanel;
+  for (int j = 0; j < kPanels; ++j) {
+    const int64_t width = Width(n, kOut, p + j);
+    float* o = out + j * kOut;
+#if defined(JAXLLAMA_WIDE)
+    if constexpr (kGated) {  // rows in pairs; an odd last row with itself
+      for (int r = 0; r < kRows; r += 2) {
+        const int r2 = r + 1 < kRows ? r + 1 : r;
+        StoreGatedRows(acc[r][j], acc[r2][j], o + r * ldo, o + r2 * ldo, width);
+      }
+      continue;
+    }
+#endif
+    for (int r = 0; r < kRows; ++r) {
+      float row[kPanel];
+      std::memcpy(row, &acc[r][j * kParts], sizeof(Reg));
+      if (kParts == 2) std::memcpy(row + kRegLanes, &acc[r][j * kParts + 1], sizeof(Reg));
+      if (kGated) {
+        Vec gate, up;
+        std::memcpy(&gate, row, sizeof(Vec));
+        std::memcpy(&up, row + kLanes, sizeof(Vec));
+        const Vec y = jaxllama::SiluTimes(gate, up);
+        std::memcpy(row, &y, sizeof(Vec));
+      }
+      StoreRow<kOut>(row, o + r * ldo, width);
+    }
+  }
 }
 
 // out[rows, kPanels x kOut] (stride ldo) = x[rows, k] (stride ldx) @ kPanels panels [k, kPanel] (stride k x kPanel)
 // from panel p of an output n columns wide; kGated: silu(each panel's first kLanes columns) x its last kLanes.
 template <int kRows, int kPanels, bool kGated>
 void Tile(const float* x, int64_t ldx, const void* w_data, int64_t k, float* out, int64_t ldo, int64_t n, int64_t p) {
-  constexpr int64_t kOut = kGated ? kLanes : kPanel;
   const auto* w = static_cast<const float*>(w_data);
   Reg acc[kRows][kPanels * kParts] = {};
   for (int64_t i = 0; i < k; ++i) {
@@ -124,10 +159,7 @@ void Tile(const float* x, int64_t ldx, const void* w_data, int64_t k, float* out
       for (int j = 0; j < kPanels * kParts; ++j) acc[r][j] += a * panel[j];
     }
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int j = 0; j < kPanels; ++j)
-      Store<kGated>(acc[r][j * kParts], acc[r][j * kParts + kParts - 1], out + r * ldo + j * kOut,
-                    Width(n, kOut, p + j));
+  StoreTile<kGated, kRows, kPanels>(acc, out, ldo, n, p);
 }
 
 // Tile for bfloat16 panels ([k2 / 2, kPanel, 2]: each column's inputs in pairs, k2 = k rounded up to even; stride
@@ -136,7 +168,6 @@ void Tile(const float* x, int64_t ldx, const void* w_data, int64_t k, float* out
 template <int kRows, int kPanels, bool kGated>
 void Bf16Tile(const float* x, int64_t ldx, const void* w_data, int64_t k, float* out, int64_t ldo, int64_t n,
               int64_t p) {
-  constexpr int64_t kOut = kGated ? kLanes : kPanel;
   const auto* w = static_cast<const uint16_t*>(w_data);
   const int64_t k2 = (k + 1) / 2 * 2;
   Reg acc[kRows][kPanels * kParts] = {};
@@ -164,10 +195,7 @@ void Bf16Tile(const float* x, int64_t ldx, const void* w_data, int64_t k, float*
   };
   for (int64_t i = 0; i + 1 < k; i += 2) step(i, true);
   if (k % 2) step(k - 1, false);  // an odd input count: the last pair's second weight is padding
-  for (int r = 0; r < kRows; ++r)
-    for (int j = 0; j < kPanels; ++j)
-      Store<kGated>(acc[r][j * kParts], acc[r][j * kParts + kParts - 1], out + r * ldo + j * kOut,
-                    Width(n, kOut, p + j));
+  StoreTile<kGated, kRows, kPanels>(acc, out, ldo, n, p);
 }
 
 // The two int8 weight formats. Pairs (`quantize(w, "q8_0")`): each column's inputs in pairs of int8, x as int16,
@@ -203,7 +231,6 @@ struct Quads {
 template <typename F, int kRows, int kPanels, bool kGated>
 void QuantizedTile(const void* xq_data, const float* xs, const int32_t* xsum, int64_t kp, const void* q_data,
                    const void* scales_data, float* out, int64_t ldo, int64_t n, int64_t p) {
-  constexpr int64_t kOut = kGated ? kLanes : kPanel;
   const auto* q = static_cast<const int8_t*>(q_data);
   const auto* scales = static_cast<const float*>(scales_data);
   const auto* xq = static_cast<const typename F::Input*>(xq_data);
@@ -240,10 +267,7 @@ void QuantizedTile(const void* xq_data, const float* xs, const int32_t* xsum, in
       for (int j = 0; j < kPanels * kParts; ++j) acc[r][j] += __builtin_convertvector(part[r][j], Reg) * (scale[j] * x_scale);
     }
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int j = 0; j < kPanels; ++j)
-      Store<kGated>(acc[r][j * kParts], acc[r][j * kParts + kParts - 1], out + r * ldo + j * kOut,
-                    Width(n, kOut, p + j));
+  StoreTile<kGated, kRows, kPanels>(acc, out, ldo, n, p);
 }
 
 // Tile for Q4_0 panels, x quantized to int8 as Q8_0 (llama.cpp's `ggml_vec_dot_q4_0_q8_0`): each panel as
@@ -254,7 +278,6 @@ void QuantizedTile(const void* xq_data, const float* xs, const int32_t* xsum, in
 template <int kRows, int kPanels, bool kGated>
 void NibbleTile(const void* xq_data, const float* xs, const int32_t* xsum, int64_t kp, const void* q_data,
                 const void* scales_data, float* out, int64_t ldo, int64_t n, int64_t p) {
-  constexpr int64_t kOut = kGated ? kLanes : kPanel;
   const auto* xq = static_cast<const int8_t*>(xq_data);
   const auto* q = static_cast<const uint8_t*>(q_data);
   const auto* scales = static_cast<const uint16_t*>(scales_data);
@@ -295,10 +318,7 @@ void NibbleTile(const void* xq_data, const float* xs, const int32_t* xsum, int64
         acc[r][j] += __builtin_convertvector(jaxllama::BlockTotals(part[r][j]) - offset, Reg) * (scale[j] * x_scale);
     }
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int j = 0; j < kPanels; ++j)
-      Store<kGated>(acc[r][j * kParts], acc[r][j * kParts + kParts - 1], out + r * ldo + j * kOut,
-                    Width(n, kOut, p + j));
+  StoreTile<kGated, kRows, kPanels>(acc, out, ldo, n, p);
 }
 
 // A block of x's inputs as vectors: kQBlock inputs from `x`, the first `n` of them read, 0 past them.
@@ -322,15 +342,29 @@ inline V MaxOrNan(V a, V b) {
   return a > b || a != a ? a : b;
 }
 
-// A vector's low and high halves, as vectors half its size (a copy the compiler turns into an extract; GCC's
-// __builtin_shufflevector needs GCC 12).
-template <typename Half, typename V>
-inline std::pair<Half, Half> Halves(const V& v) {
+// A vector's low and high halves, as vectors half its size: by shuffles in registers where the compiler has
+// __builtin_shufflevector (GCC 12, Clang), else by copies, which GCC compiles to a store of the whole vector and loads
+// of its halves that wait for it (the store cannot forward to them): 10-20% of a row's quantization.
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define JAXLLAMA_SHUFFLE 1
+#endif
+#endif
+template <typename Half, typename V, size_t... I>
+inline std::pair<Half, Half> HalvesOf(const V& v, std::index_sequence<I...>) {
   static_assert(2 * sizeof(Half) == sizeof(V));
+#if defined(JAXLLAMA_SHUFFLE)
+  return {__builtin_shufflevector(v, v, I...), __builtin_shufflevector(v, v, (I + sizeof...(I))...)};
+#else
   Half low, high;
   std::memcpy(&low, &v, sizeof(Half));
   std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof(Half), sizeof(Half));
   return {low, high};
+#endif
+}
+template <typename Half, typename V>
+inline std::pair<Half, Half> Halves(const V& v) {
+  return HalvesOf<Half>(v, std::make_index_sequence<sizeof(V) / sizeof(v[0]) / 2>{});
 }
 
 typedef float Four __attribute__((vector_size(16)));

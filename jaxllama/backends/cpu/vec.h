@@ -225,33 +225,36 @@ inline V Splat(S s) {
   }
 }
 
-// e^x for x <= 0, lane by lane: 2^n x e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its degree-6 Taylor
-// polynomial (relative error below 2.2e-7); below -87.3 (e^-87.3 ~ 1e-38, the smallest normal float), 0.
-inline Vec Exp(Vec x) {
-  const Vec lo = Vec{} - 87.3f;
-  const auto tiny = x < lo;
+// e^x for x <= 0, lane by lane (V: Vec or Reg): 2^n x e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its
+// degree-6 Taylor polynomial (relative error below 2.2e-7); below -87.3 (e^-87.3 ~ 1e-38, the smallest normal float),
+// 0. Each lane's arithmetic is the same at either width.
+template <typename V>
+inline V Exp(V x) {
+  using I = decltype(x < x);  // int32 lanes, as many as V's
+  const V lo = V{} - 87.3f;
+  const I tiny = x < lo;
   x = tiny ? lo : x;  // keeps n, and 2^n's exponent bits, in range
-  const Vec n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f), Ints),
-                                        Vec);
-  const Vec r = x - n * 0.693145752f - n * 1.42860677e-6f;  // ln 2 in two parts, for an exact reduction
-  Vec p = Vec{} + 1.0f / 720;
+  const V n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0 ? -0.5f : 0.5f), I), V);
+  const V r = x - n * 0.693145752f - n * 1.42860677e-6f;  // ln 2 in two parts, for an exact reduction
+  V p = V{} + 1.0f / 720;
   p = p * r + 1.0f / 120;
   p = p * r + 1.0f / 24;
   p = p * r + 1.0f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const UInts bits = __builtin_convertvector(__builtin_convertvector(n, Ints) + 127, UInts) << 23;  // 2^n
-  Vec scale;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;  // 2^n: n + 127 in [1, 254]
+  V scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return tiny ? Vec{} : p * scale;
+  return tiny ? V{} : p * scale;
 }
 
 // silu(g) x u = g / (1 + e^-g) x u, lane by lane, through e^-|g| (which `Exp` takes): for g < 0 the sigmoid is
 // e^g / (1 + e^g), which neither overflows nor loses the small values.
-inline Vec SiluTimes(Vec g, Vec u) {
-  const Vec t = Exp(g < 0 ? g : -g);
-  return g * (g < 0 ? t : Vec{} + 1.0f) / (1.0f + t) * u;
+template <typename V>
+inline V SiluTimes(V g, V u) {
+  const V t = Exp(g < 0 ? g : -g);
+  return g * (g < 0 ? t : V{} + 1.0f) / (1.0f + t) * u;
 }
 
 }  // namespace jaxllama
