@@ -344,7 +344,7 @@ inline V MaxOrNan(V a, V b) {
 
 // A vector's low and high halves, as vectors half its size: by shuffles in registers where the compiler has
 // __builtin_shufflevector (GCC 12, Clang), else by copies, which GCC compiles to a store of the whole vector and loads
-// of its halves that wait for it (the store cannot forward to them): 10-20% of a row's quantization.
+// of its halves that wait for it.
 #if defined(__has_builtin)
 #if __has_builtin(__builtin_shufflevector)
 #define JAXLLAMA_SHUFFLE 1
