@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -23,10 +24,6 @@ constexpr int64_t kMinShared = 1024;  // (row, kv head) pairs x cache length bel
 struct Shape {
   int64_t rows, slots, kv, groups, dim, length;
 };
-
-using jaxllama::kLanes;
-using jaxllama::Vec;
-
 
 // The cache's element types: float32, float16 or bfloat16 (their bits), each read as floats.
 struct Half {
@@ -56,12 +53,6 @@ constexpr int kQueriesAtOnce = 12;
 #else
 constexpr int kQueriesAtOnce = 6;
 #endif
-
-inline Vec Load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 // kRegLanes of the cache's elements from p, as floats.
 inline Reg LoadReg(const float* p) {
@@ -172,33 +163,48 @@ void Groups(const float* q, const C* keys, const C* values, int64_t visible, int
                                                           out + j * hd, scores + j * n, scoring);
 }
 
-// The largest of scores[0, n), n >= 1, kLanes at a time (a loop of std::max waits on each comparison in turn).
+// The largest of scores[0, n), n >= 1, kRegLanes at a time (a loop of std::max waits on each comparison in turn).
 inline float Max(const float* scores, int64_t n) {
-  Vec tops = jaxllama::Splat<Vec>(scores[0]);
+  Reg tops = jaxllama::Splat<Reg>(scores[0]);
   int64_t t = 0;
-  for (; t + kLanes <= n; t += kLanes) {
-    const Vec v = Load(scores + t);
+  for (; t + kRegLanes <= n; t += kRegLanes) {
+    const Reg v = LoadReg(scores + t);
     tops = v > tops ? v : tops;
   }
   float top = scores[0];
-  for (int i = 0; i < kLanes; ++i) top = std::max(top, tops[i]);
+  for (int i = 0; i < kRegLanes; ++i) top = std::max(top, tops[i]);
   for (; t < n; ++t) top = std::max(top, scores[t]);
   return top;
 }
 
-// scores[0, seen) as e^(score - top) <= 1 (by `vec.h`'s Exp); returns 1 / their total.
+// scores[0, seen) as e^(score - top) <= 1, kRegLanes at a time by `vec.h`'s Exp, the last of them padded with
+// -inf (whose e^ is 0): every position's weight from the same arithmetic. Returns 1 / their total.
 inline float Exps(float* sc, int64_t seen) {
   const float top = Max(sc, seen);
-  Vec sums = {};
-  int64_t t = 0;
-  for (; t + kLanes <= seen; t += kLanes) {
-    const Vec e = jaxllama::Exp(Load(sc + t) - top);
-    std::memcpy(sc + t, &e, sizeof(e));
+  Reg sums = {};
+  for (int64_t t = 0; t < seen; t += kRegLanes) {
+    const int64_t count = std::min<int64_t>(kRegLanes, seen - t);
+    Reg x;
+    if (count == kRegLanes) {
+      x = LoadReg(sc + t);
+    } else {
+      float rest[kRegLanes];
+      std::fill(rest + count, rest + kRegLanes, -std::numeric_limits<float>::infinity());
+      std::copy_n(sc + t, count, rest);
+      x = LoadReg(rest);
+    }
+    const Reg e = jaxllama::Exp(x - top);
+    if (count == kRegLanes) {
+      std::memcpy(sc + t, &e, sizeof(e));
+    } else {
+      float rest[kRegLanes];
+      std::memcpy(rest, &e, sizeof(e));
+      std::copy_n(rest, count, sc + t);
+    }
     sums += e;
   }
   float total = 0.0f;
-  for (int i = 0; i < kLanes; ++i) total += sums[i];
-  for (; t < seen; ++t) total += (sc[t] = std::exp(sc[t] - top));
+  for (int i = 0; i < kRegLanes; ++i) total += sums[i];
   return 1.0f / total;
 }
 
