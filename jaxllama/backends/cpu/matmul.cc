@@ -108,9 +108,11 @@ inline void StoreGatedRows(Reg a, Reg b, float* out_a, float* out_b, int64_t wid
 
 // A tile's outputs from its accumulators acc[kRows][kPanels x kParts], panel j's at out + j x kOut (row stride ldo),
 // of an output n columns wide from panel p: each panel's row as is, or (kGated) silu(its first kLanes columns) x
-// its last kLanes. (Taking the accumulators' address instead keeps them in memory throughout the tile's loop.)
+// its last kLanes. Always inlined after the tile's loop, so the reference leaves the accumulators in registers
+// through it; a call out of line that took their address would keep them in memory.
 template <bool kGated, int kRows, int kPanels>
-inline void StoreTile(const Reg (&acc)[kRows][kPanels * kParts], float* out, int64_t ldo, int64_t n, int64_t p) {
+[[gnu::always_inline]] inline void StoreTile(const Reg (&acc)[kRows][kPanels * kParts], float* out, int64_t ldo,
+                                             int64_t n, int64_t p) {
   static_assert(kParts == 1 || kParts == 2);
   constexpr int64_t kOut = kGated ? kLanes : kPanel;
   for (int j = 0; j < kPanels; ++j) {
