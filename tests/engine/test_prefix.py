@@ -14,10 +14,10 @@ from jaxllama.engine.request import Request, SamplingParams
 from tests.helpers.engine import (
     EOS,
     greedy_request,
+    pairs_config,
     reference_greedy,
     run,
     spread_params,
-    tiny_config,
     token_logprobs,
 )
 
@@ -141,7 +141,7 @@ def test_a_16_bit_cache_gives_the_same_numbers_from_a_stored_prefix_as_computed_
     log-probabilities, to the bit, either way. bfloat16 at head dim 16, where the kernels compute attention as
     bfloat16 pairs on CPUs that have them (`library.attends_in_bfloat16`)."""
     if dtype == "bfloat16":
-        config = tiny_config(n_heads=4)
+        config = pairs_config()
         tiny = config, spread_params(config)
     rng = np.random.default_rng(6)
     first = rng.integers(3, 131, 30).tolist()

@@ -21,6 +21,12 @@ def tiny_config(**kw) -> ModelConfig:
     return ModelConfig(**{**base, **kw})
 
 
+def pairs_config() -> ModelConfig:
+    """`tiny_config` with heads of 16 dims: where the CPU kernels compute attention over a bfloat16 cache in bfloat16
+    pairs (`library.attends_in_bfloat16`); `tiny_config`'s 8 fall back to float32."""
+    return tiny_config(n_heads=4)
+
+
 def spread_params(config: ModelConfig, seed: int = 0):
     """Random weights scaled up so that logits are far apart: greedy choices are not near-ties. A tied model gets the
     untied model's weights but the output layer: XLA compiles each configuration's initializer once per session, for

@@ -182,25 +182,19 @@ inline float Max(const float* scores, int64_t n) {
 inline float Exps(float* sc, int64_t seen) {
   const float top = Max(sc, seen);
   Reg sums = {};
-  for (int64_t t = 0; t < seen; t += kRegLanes) {
-    const int64_t count = std::min<int64_t>(kRegLanes, seen - t);
-    Reg x;
-    if (count == kRegLanes) {
-      x = LoadReg(sc + t);
-    } else {
-      float rest[kRegLanes];
-      std::fill(rest + count, rest + kRegLanes, -std::numeric_limits<float>::infinity());
-      std::copy_n(sc + t, count, rest);
-      x = LoadReg(rest);
-    }
-    const Reg e = jaxllama::Exp(x - top);
-    if (count == kRegLanes) {
-      std::memcpy(sc + t, &e, sizeof(e));
-    } else {
-      float rest[kRegLanes];
-      std::memcpy(rest, &e, sizeof(e));
-      std::copy_n(rest, count, sc + t);
-    }
+  int64_t t = 0;
+  for (; t + kRegLanes <= seen; t += kRegLanes) {
+    const Reg e = jaxllama::Exp(LoadReg(sc + t) - top);
+    std::memcpy(sc + t, &e, sizeof(e));
+    sums += e;
+  }
+  if (t < seen) {
+    float rest[kRegLanes];
+    std::fill(rest + (seen - t), rest + kRegLanes, -std::numeric_limits<float>::infinity());
+    std::copy_n(sc + t, seen - t, rest);
+    const Reg e = jaxllama::Exp(LoadReg(rest) - top);
+    std::memcpy(rest, &e, sizeof(e));
+    std::copy_n(rest, seen - t, sc + t);
     sums += e;
   }
   float total = 0.0f;

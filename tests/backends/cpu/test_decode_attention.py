@@ -15,7 +15,7 @@ from jaxllama.core.ops import XLA
 from jaxllama.core.sharding import make_mesh
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.request import Request, SamplingParams
-from tests.helpers.engine import random_prompts, spread_params, tiny_config
+from tests.helpers.engine import pairs_config, random_prompts, spread_params, tiny_config
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
 
@@ -147,9 +147,8 @@ def test_the_kernels_cache_is_float16_unless_asked(kernel):
 def test_engine_with_and_without_the_kernel_agree(kernel, kv_cache_dtype):
     """Prefills and decode steps attend through the kernel or XLA over the same cache (float32, float16, or
     bfloat16, which the kernels' engine keeps as its bits, at head dim 16: bfloat16 pairs where the CPU has them)."""
-    # The engine tests' model, whose random initializer the session compiles once; for bfloat16 with heads of 16
-    # dims (the prefix tests' bfloat16 model), where the kernel computes in pairs (`library.attends_in_bfloat16`).
-    config = tiny_config(n_heads=4) if kv_cache_dtype == "bfloat16" else tiny_config()
+    # The engine tests' models, whose random initializers the session compiles once each.
+    config = pairs_config() if kv_cache_dtype == "bfloat16" else tiny_config()
     params = spread_params(config, seed=3)
     prompts = random_prompts(12, seed=5)
     tokens = {}
