@@ -157,7 +157,7 @@ class LLM:
         cache_dtype = kvcache.dtype(options.kv_cache_dtype, activation_dtype_of(config))
         where = memory.plan(config, jax.devices(), mesh, options, cache_dtype, stored=stored)
         mesh, form, run_config = where.mesh, product_form(config), where.config
-        ops = backends.choose(mesh, form, kernel_dir(), quantize=options.quantize)
+        ops = backends.choose(mesh, form, kernel_dir(), cpu_kernels=options.cpu_kernels, quantize=options.quantize)
         if where.footprint is None:  # a CPU: the host's memory
             memory.check_host(config, ops, form, mesh, stored=stored)
         elif options.max_context is None and where.context < config.max_seq_len:

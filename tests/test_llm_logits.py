@@ -3,10 +3,13 @@ row or NaN; a row past the context grows attention without bound) with a ValueEr
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
 from jaxllama import LLM
+from jaxllama.backends.cpu.matmul import Packed
+from jaxllama.backends.cpu.ops import CpuOps
 from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
 
 
@@ -50,3 +53,16 @@ def test_logits_of_rows_of_any_length(llm):
     assert out.shape == (2, 3, llm.config.vocab_size) and out.dtype == np.float32
     assert np.isfinite(out[0]).all() and np.isfinite(out[1, 0]).all() and np.isnan(out[1, 1:]).all()
     np.testing.assert_allclose(out[1, 0], llm.logits([[4]])[0, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_kernels_false_runs_xlas_own_operations_with_the_same_logits(tiny_chat_checkpoint, cpu_kernels):
+    """`LLM.load(..., cpu_kernels=False)` (an EngineOptions field) loads the weights for XLA's operations, not the
+    kernels' packed panels, and reads a text as the kernels do."""
+    assert cpu_kernels
+    one = {"mesh": "data=1,model=1", "max_slots": 1, "compilation_cache": False}
+    kernels, xla = LLM.load(tiny_chat_checkpoint, **one), LLM.load(tiny_chat_checkpoint, **one, cpu_kernels=False)
+    assert isinstance(kernels.engine.ops, CpuOps) and not isinstance(xla.engine.ops, CpuOps)
+    packed = [x for x in jax.tree.leaves(xla.params, is_leaf=lambda x: isinstance(x, Packed)) if isinstance(x, Packed)]
+    assert not packed
+    tokens = [[1, 5, 9, 2, 7]]
+    np.testing.assert_allclose(xla.logits(tokens), kernels.logits(tokens), rtol=2e-3, atol=2e-3)
