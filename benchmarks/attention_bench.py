@@ -6,8 +6,12 @@ heads (SmolLM2's by default: 3 KV heads of 3 query heads, 64 dims) over a cache 
 kernels' default, bfloat16 or float32). GFLOP/s count the causal products only (2 x 2 x head dims per query and
 position it sees), not the softmax; the best of `--repeat` calls.
 
+`--decode ROWS`: a decode step's shape instead, ROWS rows of one query each, each over its own slot of as many
+positions as the prompt's length; as its bound is the cache's bytes, GB/s of keys and values read, against a
+streaming copy's (`measure.memory_bandwidth`, in the same run).
+
     python -m benchmarks.attention_bench [--prompts 512,1024,2048] [--kv 3] [--groups 3] [--head-dim 64]
-                                         [--cache float16|bfloat16|float32] [--repeat 10]
+                                         [--cache float16|bfloat16|float32] [--repeat 10] [--decode 64]
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 
 from benchmarks import peaks
 from benchmarks.matmul_bench import _list
+from benchmarks.measure import memory_bandwidth
 from jaxllama.backends.cpu import library
 from jaxllama.backends.cpu.decode_attention import decode_attention
 from jaxllama.engine.runtime import cache_dir
@@ -33,6 +38,7 @@ def main(
     head_dim: int = 64,
     cache: str = "float16",
     repeat: int = 10,
+    decode: int = 0,
 ):
     if not library.load(cache_dir() / "kernels"):
         raise SystemExit("the CPU kernels could not be built")
@@ -45,20 +51,38 @@ def main(
     )
     attend = jax.jit(decode_attention)
     rng = np.random.default_rng(0)
+    if decode:
+        bandwidth = memory_bandwidth() / 1e9
+        print(f"{decode} rows decoding; a streaming copy {bandwidth:.1f} GB/s: positions, ms, GB/s of keys and values")
+        for t in map(int, _list(prompts)):
+            q = jnp.asarray(rng.standard_normal((decode, kv, groups, head_dim)), jnp.float32)
+            keys = jnp.asarray(rng.standard_normal((decode, kv, head_dim, t)), cache)
+            values = jnp.asarray(rng.standard_normal((decode, kv, t, head_dim)), cache)
+            slots, positions = jnp.arange(decode, dtype=jnp.int32), jnp.full(decode, t - 1, jnp.int32)
+            best = _best(attend, (q, keys, values, slots, positions), repeat)
+            rate = (keys.nbytes + values.nbytes) / best / 1e9
+            print(f"{t:>6} {best * 1e3:8.3f} {rate:7.1f} {100 * rate / bandwidth:4.0f}%", flush=True)
+        return
     for t in map(int, _list(prompts)):
         q = jnp.asarray(rng.standard_normal((t, kv, groups, head_dim)), jnp.float32)
         keys = jnp.asarray(rng.standard_normal((1, kv, head_dim, t)), cache)
         values = jnp.asarray(rng.standard_normal((1, kv, t, head_dim)), cache)
         slots, positions = jnp.zeros(t, jnp.int32), jnp.arange(t, dtype=jnp.int32)
-        attend(q, keys, values, slots, positions).block_until_ready()  # compiled
-        best = float("inf")
-        for _ in range(repeat):
-            start = time.perf_counter()
-            attend(q, keys, values, slots, positions).block_until_ready()
-            best = min(best, time.perf_counter() - start)
+        best = _best(attend, (q, keys, values, slots, positions), repeat)
         flop = 2 * 2 * (t * (t + 1) / 2) * kv * groups * head_dim
         rate = flop / best / 1e9
         print(f"{t:>6} {best * 1e3:8.2f} {rate:7.1f} {100 * rate / peak:4.0f}%", flush=True)
+
+
+def _best(attend, args, repeat: int) -> float:
+    """The fastest of `repeat` calls, in seconds, after one to compile."""
+    attend(*args).block_until_ready()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        attend(*args).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 if __name__ == "__main__":
