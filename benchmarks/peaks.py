@@ -6,7 +6,11 @@ are (`-O3 -march=native`, or JAXLLAMA_CPU_MARCH's target), run on every core at 
 - int16 pairs (`pmaddwd` + add, or VNNI's `vpdpwssd`): q8_0's;
 - int8 quads as w8a8 sums them (VNNI's `vpdpbusd`; on AVX2 without it llama.cpp's sequence: `vpsignb` twice,
   `pmaddubsw`, `pmaddwd`, add);
-- bfloat16 pairs (`vdpbf16ps`), where the CPU has AVX-512 BF16.
+- bfloat16 pairs (`vdpbf16ps`), where the CPU has AVX-512 BF16;
+- int16 pairs and int8 quads in Q8_0's blocks (`*_in_blocks`): the same loops, each block of 32 inputs' integer sum
+  then added in float as the quantized products add it (converted, times its two scales' product, read from memory
+  as a tile reads them, by an FMA). The ceiling the block format itself leaves a kernel, before any weight is
+  loaded or widened: on a CPU whose integer and float arithmetic share their pipes, below the bare form's peak.
 
 Counts multiply-adds x 2 as operations (G(FL)OP/s), as `matmul_bench` counts a product's.
 
@@ -41,12 +45,14 @@ typedef __m512 F; typedef __m512i I;
 #define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define SETF(x) _mm512_set1_ps(x)
 #define SETI(x) _mm512_set1_epi32(x)
+#define CONVERT(x) _mm512_cvtepi32_ps(x)
 constexpr int kBytes = 64;
 #else
 typedef __m256 F; typedef __m256i I;
 #define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define SETF(x) _mm256_set1_ps(x)
 #define SETI(x) _mm256_set1_epi32(x)
+#define CONVERT(x) _mm256_cvtepi32_ps(x)
 constexpr int kBytes = 32;
 #endif
 
@@ -96,6 +102,32 @@ static double Integer(long n, int per_lane, float* sink) {
   return double(n) * kAcc * (kBytes / 4) * per_lane;
 }
 
+// As Integer, with a block's float work every kQBlock inputs, as a tile does it: each accumulator's block sum
+// converted, times the product of its columns' weight scales and its row's input scale (a vector and a broadcast,
+// from memory), added by an FMA to a float sum.
+constexpr int kQBlock = 32;
+template <I (*Op)(I, I, I)>
+static double InBlocks(long n, int per_lane, float* sink) {
+  const int steps = kQBlock / per_lane;  // Op's per accumulator and block
+  I acc[kAcc]; F sum[kAcc];
+  for (int i = 0; i < kAcc; ++i) { acc[i] = SETI(i); sum[i] = SETF(0.0f); }
+  const I b = SETI(0x05060708);
+  alignas(64) float scales[64][kBytes / 4], x_scales[64];
+  for (int j = 0; j < 64; ++j) { x_scales[j] = 1e-9f * (j + 1); for (float& v : scales[j]) v = 1e-3f * (j + 1); }
+  for (long k = 0; k < n; ++k) {
+    for (int s = 0; s < steps; ++s) for (int i = 0; i < kAcc; ++i) acc[i] = Op(acc[i], acc[i], b);
+    // a tile's accumulators: kAcc / 2 rows (each its input scale) x 2 vectors of columns (each its weight scales)
+    F scale[2];
+    std::memcpy(&scale[0], scales[k & 63], sizeof(F));
+    std::memcpy(&scale[1], scales[(k + 1) & 63], sizeof(F));
+    for (int i = 0; i < kAcc; ++i)
+      sum[i] = FMA(CONVERT(acc[i]), scale[i & 1] * SETF(x_scales[(k + i / 2) & 63]), sum[i]);
+  }
+  for (int i = 1; i < kAcc; ++i) sum[0] = sum[0] + sum[i] + CONVERT(acc[i]);
+  std::memcpy(sink, &sum[0], sizeof(float));
+  return double(n) * steps * kAcc * (kBytes / 4) * per_lane;
+}
+
 #if defined(__AVX512BF16__)
 static double Bf16(long n, float* sink) {
   __m512 acc[kAcc]; for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_set1_ps(i);
@@ -137,6 +169,8 @@ int main(int argc, char** argv) {
   Report("float32_fma", Fma, seconds, threads);
   Report("int16_pairs", [](long n, float* s) { return Integer<Pairs>(n, 2, s); }, seconds, threads);
   Report("int8_quads", [](long n, float* s) { return Integer<Quads>(n, 4, s); }, seconds, threads);
+  Report("int16_pairs_in_blocks", [](long n, float* s) { return InBlocks<Pairs>(n, 2, s); }, seconds, threads);
+  Report("int8_quads_in_blocks", [](long n, float* s) { return InBlocks<Quads>(n, 4, s); }, seconds, threads);
 #if defined(__AVX512BF16__)
   Report("bf16_pairs", Bf16, seconds, threads);
 #endif
@@ -149,7 +183,11 @@ FORMS = {
     "int16_pairs": "int16 pairs (q8_0)",
     "int8_quads": "int8 quads (w8a8)",
     "bf16_pairs": "bfloat16 pairs (vdpbf16ps)",
+    "int16_pairs_in_blocks": "int16 pairs in Q8_0 blocks (q8_0's ceiling)",
+    "int8_quads_in_blocks": "int8 quads in Q8_0 blocks (w8a8's ceiling)",
 }
+# The ceiling a block-quantized product's arithmetic leaves, per bare form.
+IN_BLOCKS = {"int16_pairs": "int16_pairs_in_blocks", "int8_quads": "int8_quads_in_blocks"}
 
 
 def measure(seconds: float = 1.0, runs: int = 3) -> dict[str, float]:

@@ -9,10 +9,11 @@ int8 quads for `--quantize w8a8`, float32 FMAs for float weights.
 
 Each is run once to compile, then timed on new prompts. G(FL)OP/s count the model's products (2 per weight per
 token; the output layer only for the rows whose logits are computed), then with attention (2 x 2 x heads x head
-dimension per attended position per layer) too. "% of roofline": the time the products and attention would take at
-the peaks of the arithmetic each runs on (attention: float32 FMAs, or bfloat16 pairs over a bfloat16 cache where the
-kernels compute it so), over the time taken; the rest is the norms, rotations, copies, the softmax, and arithmetic
-short of its peak. Decode also reads the cache, which this leaves out.
+dimension per attended position per layer) too. "% in blocks": the products against the ceiling that Q8_0's blocks
+leave their arithmetic (`peaks`' `*_in_blocks`: each block's sum added in float). "% of roofline": the time the
+products and attention would take at the peaks of the arithmetic each runs on (attention: float32 FMAs, or bfloat16
+pairs over a bfloat16 cache where the kernels compute it so), over the time taken; the rest is the norms, rotations,
+copies, the softmax, and arithmetic short of its peak. Decode also reads the cache, which this leaves out.
 
     python -m benchmarks.roofline [--model PATH] [--quantize default,w8a8] [--prompts 512,1024,2048]
                                   [--tokens 4096] [--decode-rows 64] [--decode-prompt 256] [--decode-tokens 32]
@@ -76,12 +77,13 @@ def _run(llm, prompts, max_tokens: int) -> tuple[float, float, int]:
     return after.prefill_s - before.prefill_s, after.decode_s - before.decode_s, computed
 
 
-def _report(label: str, seconds: float, tokens: int, flops: tuple[float, float], peak: float, attention_peak: float):
+def _report(label: str, seconds: float, tokens: int, flops: tuple[float, float], tops: tuple[float, float, float]):
+    peak, ceiling, attention_peak = tops
     rate, total = flops[0] / seconds / 1e9, sum(flops) / seconds / 1e9
     ideal = (flops[0] / peak + flops[1] / attention_peak) / 1e9
     print(
-        f"{label:>26} {tokens / seconds:9.0f} {rate:15.1f} {100 * rate / peak:9.0f}% {total:15.1f}"
-        f" {100 * ideal / seconds:12.0f}%"
+        f"{label:>26} {tokens / seconds:9.0f} {rate:15.1f} {100 * rate / peak:9.0f}% {100 * rate / ceiling:12.0f}%"
+        f" {total:15.1f} {100 * ideal / seconds:12.0f}%"
     )
 
 
@@ -105,24 +107,28 @@ def main(
         quantize = None if form == "default" else form
         llm = LLM.load(model, quantize=quantize, max_slots=slots, max_context=context, kv_cache_dtype=kv_cache_dtype)
         config, top = llm.config, peak[PEAK_OF[form]]
+        ceiling = peak[peaks.IN_BLOCKS.get(PEAK_OF[form], PEAK_OF[form])]
         pairs = llm.engine.options.kv_cache_dtype == "bfloat16" and library.attends_in_bfloat16(config.head_dim)
-        attention_top = peak["bf16_pairs" if pairs else "float32_fma"]
+        tops = (top, ceiling, peak["bf16_pairs" if pairs else "float32_fma"])
         shape = Shape.of(config)
         random = functools.partial(_random_prompts, rng, config.vocab_size)
-        print(f"\n{form}: {config.n_layers} layers, dim {config.dim}; its products' peak {top:.0f} G(FL)OP/s")
         print(
-            f"{'work':>26} {'tokens/s':>9} {'products GOP/s':>15} {'% of peak':>10} {'with attention':>15}"
-            f" {'% of roofline':>13}"
+            f"\n{form}: {config.n_layers} layers, dim {config.dim}; its products' peak {top:.0f} G(FL)OP/s, in its"
+            f" blocks {ceiling:.0f}"
+        )
+        print(
+            f"{'work':>26} {'tokens/s':>9} {'products GOP/s':>15} {'% of peak':>10} {'% in blocks':>13}"
+            f" {'with attention':>15} {'% of roofline':>13}"
         )
         for length in lengths:
             count = max(1, tokens // length)
             prefill_s, _, computed = _run(llm, random(count, length), 1)
             flops = shape.flops(computed, count, count * length * (length + 1) // 2)
-            _report(f"prefill {count} x {length}", prefill_s, computed, flops, top, attention_top)
+            _report(f"prefill {count} x {length}", prefill_s, computed, flops, tops)
         _, decode_s, _ = _run(llm, random(decode_rows, decode_prompt), decode_tokens + 1)
         rows = decode_rows * decode_tokens
         positions = decode_rows * sum(decode_prompt + i for i in range(1, decode_tokens + 1))
-        _report(f"decode {decode_rows} rows", decode_s, rows, shape.flops(rows, rows, positions), top, attention_top)
+        _report(f"decode {decode_rows} rows", decode_s, rows, shape.flops(rows, rows, positions), tops)
         del llm
 
 
