@@ -8,10 +8,13 @@ position it sees), not the softmax; the best of `--repeat` calls.
 
 `--decode ROWS`: a decode step's shape instead, ROWS rows of one query each, each over its own slot of as many
 positions as the prompt's length; as its bound is the cache's bytes, GB/s of keys and values read, against a
-streaming copy's (`measure.memory_bandwidth`, in the same run).
+streaming copy's (`measure.memory_bandwidth`, in the same run). `--capacity N`: each slot holds N positions, of
+which the first (the prompt's length) are read, as in an engine whose cache has grown for a longer request: the
+transposed keys' dims then lie N positions apart.
 
     python -m benchmarks.attention_bench [--prompts 512,1024,2048] [--kv 3] [--groups 3] [--head-dim 64]
                                          [--cache float16|bfloat16|float32] [--repeat 10] [--decode 64]
+                                         [--capacity 4096]
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def main(
     cache: str = "float16",
     repeat: int = 10,
     decode: int = 0,
+    capacity: int = 0,
 ):
     if not library.load(cache_dir() / "kernels"):
         raise SystemExit("the CPU kernels could not be built")
@@ -53,14 +57,19 @@ def main(
     rng = np.random.default_rng(0)
     if decode:
         bandwidth = memory_bandwidth() / 1e9
-        print(f"{decode} rows decoding; a streaming copy {bandwidth:.1f} GB/s: positions, ms, GB/s of keys and values")
+        held = f", each slot holding {capacity}" if capacity else ""
+        print(
+            f"{decode} rows decoding{held}; a streaming copy {bandwidth:.1f} GB/s: positions, ms, GB/s of keys and"
+            " values read"
+        )
         for t in map(int, _list(prompts)):
             q = jnp.asarray(rng.standard_normal((decode, kv, groups, head_dim)), jnp.float32)
-            keys = jnp.asarray(rng.standard_normal((decode, kv, head_dim, t)), cache)
-            values = jnp.asarray(rng.standard_normal((decode, kv, t, head_dim)), cache)
+            n = max(t, capacity)
+            keys = jnp.asarray(rng.standard_normal((decode, kv, head_dim, n)), cache)
+            values = jnp.asarray(rng.standard_normal((decode, kv, n, head_dim)), cache)
             slots, positions = jnp.arange(decode, dtype=jnp.int32), jnp.full(decode, t - 1, jnp.int32)
             best = _best(attend, (q, keys, values, slots, positions), repeat)
-            rate = (keys.nbytes + values.nbytes) / best / 1e9
+            rate = (keys.nbytes + values.nbytes) * t / n / best / 1e9
             print(f"{t:>6} {best * 1e3:8.3f} {rate:7.1f} {100 * rate / bandwidth:4.0f}%", flush=True)
         return
     for t in map(int, _list(prompts)):
