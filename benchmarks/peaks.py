@@ -27,6 +27,7 @@ from pathlib import Path
 
 import fire
 
+from jaxllama.backends.cpu import matmul
 from jaxllama.backends.cpu.library import MARCH
 
 SOURCE = r"""
@@ -105,7 +106,7 @@ static double Integer(long n, int per_lane, float* sink) {
 // As Integer, with a block's float work every kQBlock inputs, as a tile does it: each accumulator's block sum
 // converted, times the product of its columns' weight scales and its row's input scale (a vector and a broadcast,
 // from memory), added by an FMA to a float sum.
-constexpr int kQBlock = 32;
+constexpr int kQBlock = Q_BLOCK;  // the kernels' block (`matmul.Q_BLOCK`), given by the build
 template <I (*Op)(I, I, I)>
 static double InBlocks(long n, int per_lane, float* sink) {
   const int steps = kQBlock / per_lane;  // Op's per accumulator and block
@@ -198,7 +199,8 @@ def measure(seconds: float = 1.0, runs: int = 3) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         source, binary = Path(tmp) / "peaks.cc", Path(tmp) / "peaks"
         source.write_text(SOURCE)
-        command = [*compiler, "-O3", f"-march={march}", "-std=c++17", "-pthread", str(source), "-o", str(binary)]
+        command = [*compiler, "-O3", f"-march={march}", f"-DQ_BLOCK={matmul.Q_BLOCK}", "-std=c++17", "-pthread"]
+        command += [str(source), "-o", str(binary)]
         subprocess.run(command, check=True, capture_output=True, text=True)
         best: dict[str, float] = {}
         for _ in range(runs):
