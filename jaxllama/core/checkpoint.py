@@ -38,6 +38,7 @@ from jaxllama.core.checkpoint_check import check_files, check_stored, listed_fil
 from jaxllama.core.config import BLOCK_FORMATS, CONFIG_FILE, ModelConfig
 from jaxllama.core.folders import finish_swap, put_in_place, remove_stale_tmp, temporary_path
 from jaxllama.core.params import abstract_stored, as_blocks, check_forms, param_layout, stored_arrays_of
+from jaxllama.core.regular_files import read_regular
 from jaxllama.errors import CheckpointError
 
 PARAMS_DIR = "params"
@@ -53,9 +54,10 @@ def _orbax():
 
 
 def _format_record(path: Path) -> dict | None:
-    """format.json's content, its "format" an int; None where it is missing or not such an object."""
+    """format.json's content, its "format" an int; None where it is missing, not a regular file (a FIFO's read would
+    wait forever) or not such an object."""
     try:
-        record = json.loads((path / FORMAT_FILE).read_text())
+        record = json.loads(read_regular(path / FORMAT_FILE))
         return record | {"format": int(record["format"])}
     except (OSError, ValueError, KeyError, TypeError):
         return None

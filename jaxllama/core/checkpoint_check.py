@@ -17,12 +17,14 @@ import contextlib
 import gc
 import logging
 import os
+import stat
 import warnings
 from pathlib import Path
 
 from jaxllama.core.blocks import BLOCK
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.params import check_forms, stored_arrays_of
+from jaxllama.core.regular_files import kind
 from jaxllama.errors import CheckpointError
 
 
@@ -33,21 +35,24 @@ def listed_files(folder: Path) -> dict[str, int]:
 
 def check_files(folder: Path, files: dict[str, int], record: str, sized: str) -> None:
     """Raise CheckpointError unless each file of `files` (`listed_files` when `folder` was written, as the file
-    `record` keeps them) is in `folder`, and, under folder `sized` (the arrays, which nobody edits), has the size
-    listed. One stat call a file."""
-    missing, resized = [], []
+    `record` keeps them) is in `folder`, a regular file (a FIFO there would block the read that loads it, forever),
+    and, under folder `sized` (the arrays, which nobody edits), has the size listed. One stat call a file."""
+    missing, resized, irregular = [], [], []
     for name, size in files.items():
         try:
-            found = os.stat(folder / name).st_size
+            found = os.stat(folder / name)
         except (FileNotFoundError, NotADirectoryError):
             missing.append(name)
             continue
-        if name.startswith(f"{sized}/") and found != size:
-            resized.append(f"{name} is {found} bytes, {record} lists {size}")
-    if missing or resized:
+        if not stat.S_ISREG(found.st_mode):
+            irregular.append(f"{name} is {kind(found.st_mode)}")
+        elif name.startswith(f"{sized}/") and found.st_size != size:
+            resized.append(f"{name} is {found.st_size} bytes, {record} lists {size}")
+    if missing or resized or irregular:
         some = lambda names: ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         what = [f"{some(missing)} missing"] if missing else []
         what += [some(resized)] if resized else []
+        what += [f"{some(irregular)}, not a regular file"] if irregular else []
         raise CheckpointError(
             f"{folder}: an incomplete checkpoint: {'; '.join(what)} (of the {len(files)} files {record} lists). "
             f"Convert its source again: python -m converters.llama SRC {folder} --overwrite"

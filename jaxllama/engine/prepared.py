@@ -35,7 +35,8 @@ or an index of another format (`index.pkl`, a pickle, of earlier versions: never
 and the weights restored from the checkpoint and kept again. Neither check sees bytes changed without a write
 through the file system (a failing disk, the raw device), the file changed while a process maps it, or an entry
 whose index and weights were both rewritten to match: the cache is as trusted as the folder it is in (whose
-`kernels` are code).
+`kernels` are code). An index or weights that are not a regular file (a FIFO, whose read would wait for a writer
+forever) are never read (`regular_files`): the entry is unusable.
 
 An entry is written to a temporary folder and renamed into place, so it is whole or absent. It exists only for a
 checkpoint whose config was checked against its arrays and restored: the CHECKPOINT digest stands for that check
@@ -66,6 +67,7 @@ from jaxllama.core.blocks import Blocks
 from jaxllama.core.checkpoint import PARAMS_DIR, file_stamp, load_checkpoint, remove_stale_tmp, temporary_path
 from jaxllama.core.config import CONFIG_FILE, ModelConfig
 from jaxllama.core.int8_weights import Int8
+from jaxllama.core.regular_files import open_regular, read_regular
 from jaxllama.engine.programs import json_tuples, source_digest
 
 log = logging.getLogger(__name__)
@@ -147,13 +149,13 @@ def load(root: Path, name: str, mesh) -> dict | None:
     entry = root / name
     try:
         try:
-            index = json.loads((entry / INDEX).read_bytes())
+            index = json.loads(read_regular(entry / INDEX))  # a FIFO there: refused, not waited on
         except FileNotFoundError:
             if not entry.exists():
                 return None
             raise Unusable(f"no {INDEX}: an entry of an earlier version") from None
         treedef, arrays = _read_index(index)
-        with open(entry / WEIGHTS, "rb") as f:
+        with open_regular(entry / WEIGHTS) as f:
             stamp = file_stamp(os.fstat(f.fileno()))  # before the bytes are read: a later write changes it again
             weights = _mapped(f)
         views = []

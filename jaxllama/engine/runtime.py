@@ -1,13 +1,21 @@
 """Process-level set-up: multi-host initialization, and the persistent caches of compiled and exported programs
-and of prepared weights."""
+and of prepared weights.
+
+A cache folder that cannot be written (a read-only file system, another user's folder) is not an error: the run goes
+on without that cache, with one warning naming the folder, as pip and the Hugging Face hub do.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import tempfile
 from pathlib import Path
 
 import jax
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -23,26 +31,49 @@ def kernel_dir() -> Path:
     return cache_dir() / "kernels"
 
 
+_root: Path | None = None
 _programs: Path | None = None
 _prepared: Path | None = None
+# Each cache under the root: its folder, and what a run without it goes without.
+CACHES = {"xla": "compiled programs", "programs": "exported programs", "prepared": "prepared weights"}
 
 
 def enable_compilation_cache(root: str | Path | None = None) -> Path:
     """Keep the engine's programs on disk under `root` (default: `cache_dir()`), so that running a job again
     neither compiles them again (XLA's persistent cache, in root/xla) nor traces them again (exported, in
     root/programs: `engine/programs.py`), and the weights prepared for the CPU kernels (root/prepared:
-    `engine/prepared.py`), so that loading the same model again only maps them."""
-    global _programs, _prepared
-    if root is None and _programs is not None:
-        return _programs.parent  # on already (where the application or a test run put it): kept there
+    `engine/prepared.py`), so that loading the same model again only maps them. Each of those folders that cannot
+    be written is left unused, with one warning naming them."""
+    global _root, _programs, _prepared
+    if root is None and _root is not None:
+        return _root  # on already (where the application or a test run put it): kept there
     root = Path(root) if root else cache_dir()
-    (root / "xla").mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(root / "xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    _programs = root / "programs"
-    _prepared = root / "prepared"
+    unwritable = {name: error for name in CACHES if (error := _unwritable(root / name)) is not None}
+    if unwritable:
+        names = ", ".join(f"{CACHES[name]} ({name})" for name in unwritable)
+        reasons = "; ".join(dict.fromkeys(unwritable.values()))
+        log.warning("cannot write in the cache folder %s (%s): running without its %s", root, reasons, names)
+    if "xla" not in unwritable:
+        jax.config.update("jax_compilation_cache_dir", str(root / "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _root = root
+    _programs = None if "programs" in unwritable else root / "programs"
+    _prepared = None if "prepared" in unwritable else root / "prepared"
     return root
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why `folder` (made where it is missing) cannot be written, or None where it can: a file is made in it and
+    removed (unnamed, where the system can), so that what a cache's writes would meet (a read-only mount,
+    permissions, a full disk's inodes) is met here first."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def program_cache() -> Path | None:

@@ -10,6 +10,7 @@ import converters
 from jaxllama import default_model
 from jaxllama.core.checkpoint import FORMAT, FORMAT_FILE, checkpoint_files
 from tests.factories import write_chat_gguf
+from tests.helpers.fifo import fifo_instead_of
 
 
 def test_a_conversion_by_another_converter_version_is_made_again(tmp_path, monkeypatch):
@@ -39,3 +40,17 @@ def test_a_conversion_missing_a_file_or_its_list_is_made_again(tmp_path, monkeyp
     assert default_model.resolve_model(gguf, progress=False) == converted
     assert (converted / "tokenizer.json").is_file() and checkpoint_files(converted) is not None
     assert sorted(p.name for p in converted.parent.iterdir()) == [converted.name]  # nothing left beside it
+
+
+@pytest.mark.parametrize("name", [FORMAT_FILE, "tokenizer.json", converters.CONVERTER_FILE])
+def test_a_conversion_holding_a_fifo_is_made_again(tmp_path, monkeypatch, name):
+    """A FIFO in place of one of the conversion's files, whose read would wait for a writer forever: the conversion
+    is not whole, and is made again (never read)."""
+    monkeypatch.setenv("JAXLLAMA_CACHE", str(tmp_path / "cache"))
+    gguf = write_chat_gguf(tmp_path / "tiny.gguf")
+    converted = default_model.resolve_model(gguf, progress=False)
+    with fifo_instead_of(converted / name) as blocked:
+        assert default_model.resolve_model(gguf, progress=False) == converted
+    assert not blocked, "resolving the model waited on the FIFO"
+    assert (converted / name).is_file() and checkpoint_files(converted) is not None
+    assert sorted(p.name for p in converted.parent.iterdir()) == [converted.name]

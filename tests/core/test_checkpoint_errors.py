@@ -29,6 +29,7 @@ from jaxllama.core.checkpoint import (
 )
 from jaxllama.core.config import ModelConfig
 from jaxllama.errors import CheckpointError
+from tests.helpers.fifo import fifo_instead_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -205,6 +206,21 @@ def test_a_checkpoint_missing_a_file_is_refused_naming_it(copy, victim):
     for load in [load_checkpoint, load_config, lambda path: load_config(path, check=False), resolve_model]:
         with pytest.raises(CheckpointError, match=message):
             load(copy)
+
+
+@pytest.mark.parametrize("victim", ["tokenizer.json", "config.json", "data file"])
+def test_a_checkpoint_holding_a_fifo_is_refused_naming_it(copy, victim):
+    """A FIFO in place of a file format.json lists, whose read would wait for a writer forever: refused, unread."""
+    from jaxllama.default_model import resolve_model
+
+    file = data_files(copy)[0] if victim == "data file" else copy / victim
+    name = file.relative_to(copy).as_posix()
+    message = rf"incomplete checkpoint: {re.escape(name)} is a FIFO, not a regular file"
+    with fifo_instead_of(file) as blocked:
+        for load in [load_checkpoint, load_config, resolve_model]:
+            with pytest.raises(CheckpointError, match=message):
+                load(copy)
+    assert not blocked, "a load waited on the FIFO"
 
 
 def test_a_checkpoint_missing_files_names_them(copy):

@@ -15,6 +15,7 @@ import pytest
 
 from jaxllama import LLM
 from jaxllama.engine import prepared, runtime
+from tests.helpers.fifo import fifo_instead_of
 
 ONE_DEVICE = "data=1,model=1"  # the CPU kernels, whose packed weights are host arrays
 TOKENS = [[5, 9, 200, 17, 3, 77]]
@@ -110,6 +111,20 @@ def test_a_damaged_entry_is_prepared_again(cache, checkpoint, caplog):
     assert "unusable" in caplog.text
     np.testing.assert_array_equal(got, want)
     assert entries(cache) == [entry] and weights.stat().st_size > 0  # written again, whole
+
+
+@pytest.mark.parametrize("name", [prepared.WEIGHTS, prepared.INDEX])
+def test_an_entry_file_that_is_a_fifo_is_never_read_and_prepared_again(cache, checkpoint, caplog, name):
+    """A FIFO in place of an entry's file, whose read would wait for a writer forever (the load hung): the entry is
+    unusable, and the weights are restored and kept again."""
+    want = LLM.load(checkpoint, mesh=ONE_DEVICE).logits(TOKENS)
+    (entry,) = entries(cache)
+    with fifo_instead_of(entry / name) as blocked, caplog.at_level(logging.WARNING, logger="jaxllama.engine.prepared"):
+        got = LLM.load(checkpoint, mesh=ONE_DEVICE).logits(TOKENS)
+    assert not blocked, "the load waited on the FIFO"
+    assert "unusable" in caplog.text and "not a regular file (a FIFO)" in caplog.text
+    np.testing.assert_array_equal(got, want)
+    assert entries(cache) == [entry] and (entry / name).is_file()  # written again, whole
 
 
 def test_nothing_is_kept_on_a_mesh_or_when_asked_not_to(cache, checkpoint):

@@ -14,12 +14,13 @@ import pytest
 from tests.multiprocess import REPO
 
 
-def jaxllama(*args, env=None, timeout=600, **kwargs):
-    """The `jaxllama` command in a subprocess, sharing the test session's caches; its output captured."""
+def jaxllama(*args, env=None, timeout=600, wrapper=(), **kwargs):
+    """The `jaxllama` command in a subprocess, sharing the test session's caches; its output captured. `wrapper`: a
+    command that runs it (its arguments follow)."""
     env = {**os.environ, "JAXLLAMA_CACHE": os.environ.get("JAXLLAMA_TEST_CACHE", ""), **(env or {})}
     env = {k: v for k, v in env.items() if v != ""}
     return subprocess.run(
-        [sys.executable, "-m", "jaxllama.cli", *map(str, args)],
+        [*map(str, wrapper), sys.executable, "-m", "jaxllama.cli", *map(str, args)],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -2,12 +2,23 @@
 else `c++`) for this machine's CPU (-march=native, or the target JAXLLAMA_CPU_MARCH names), kept in a folder the
 caller names under a name that hashes everything the build depends on, and registered with XLA as FFI targets.
 Where no compiler works, or `JAXLLAMA_CPU_KERNELS=0`, `load` says so and callers keep XLA's own code.
+
+A library is loaded only as it was built: beside `cpu_kernels-KEY.so` its build writes `cpu_kernels-KEY.json`, its
+size and SHA-256 (the library is ~0.5 MB: hashed in a millisecond), and a library that does not match (truncated, or
+a FIFO or anything else than a regular file), or has no record, is built again. Loading a truncated library maps pages
+past its end, and the first of them touched kills the process (SIGBUS), before any message and at every run after.
+Both files are written in a temporary folder and renamed into place, the library first: processes building at once
+each install whole files, and one that reads a library with another build's record (the two renames apart) builds it
+again. Where the folder cannot be written (a read-only cache), the library is built, once a process, in a temporary
+folder removed at exit, with a warning naming the folder.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -20,6 +31,7 @@ from pathlib import Path
 import jax
 
 from jaxllama.backends.cpu import decode_attention, matmul, row_stats
+from jaxllama.core.regular_files import open_regular, read_regular
 
 HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("*.cc"))
@@ -75,7 +87,8 @@ def attends_in_bfloat16(head_dim: int) -> bool:
 
 def build(folder: Path) -> Path:
     """The shared library, compiled into `folder` unless a build of the same source, compiler, flags, XLA FFI headers
-    and CPU is there already. RuntimeError where there is no compiler or it fails."""
+    and CPU is there already, whole (`_verified`); into a temporary folder where `folder` cannot be written.
+    RuntimeError where there is no compiler or it fails."""
     compiler = shlex.split(os.environ.get("CXX") or "c++")  # "ccache g++" too
     if not compiler or shutil.which(compiler[0]) is None:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'c++'!r}; set $CXX)")
@@ -87,20 +100,74 @@ def build(folder: Path) -> Path:
     command = " ".join([*compiler, *flags]).encode()
     for part in (*sources, version.encode(), command, _headers(include), _cpu().encode()):
         key.update(part)
-    target = folder / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-    if target.exists():
+    name = f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    target = folder / name
+    if _verified(target):
         return target
-    folder.mkdir(parents=True, exist_ok=True)
+    arguments = [*flags, "-I", include, *map(str, SOURCES)]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.TemporaryDirectory(dir=folder)
+    except OSError as e:  # a read-only cache, say: built for this process alone
+        why = e.strerror or e
+        log.warning("cannot write the CPU kernels' folder %s (%s); building them in a temporary folder", folder, why)
+        return _compile(compiler, arguments, _temporary_folder() / name)
     log.info("building the CPU kernels into %s (once per machine and version)", folder)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        built = Path(tmp) / target.name
-        command = [*compiler, *flags, "-I", include, *map(str, SOURCES), "-o", str(built)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            names = ", ".join(p.name for p in SOURCES)
-            raise RuntimeError(f"{' '.join(compiler)} failed on {names}:\n{done.stderr[-2000:]}")
+    with tmp:
+        built = _compile(compiler, arguments, Path(tmp.name) / name)
+        Path(tmp.name, _record(target).name).write_text(json.dumps(_measure(built)) + "\n")
         os.replace(built, target)  # atomic: processes building at once each install a whole library
+        os.replace(Path(tmp.name) / _record(target).name, _record(target))
     return target
+
+
+def _compile(compiler: list[str], arguments: list[str], out: Path) -> Path:
+    """`out`, compiled by `compiler` with `arguments` (its flags and the sources); RuntimeError where it fails."""
+    done = subprocess.run([*compiler, *arguments, "-o", str(out)], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        names = ", ".join(p.name for p in SOURCES)
+        raise RuntimeError(f"{' '.join(compiler)} failed on {names}:\n{done.stderr[-2000:]}")
+    return out
+
+
+_temporary: Path | None = None
+
+
+def _temporary_folder() -> Path:
+    """A folder of this process's own, removed when it exits."""
+    global _temporary
+    if _temporary is None:
+        _temporary = Path(tempfile.mkdtemp(prefix="jaxllama-kernels-"))
+        atexit.register(shutil.rmtree, _temporary, True)
+    return _temporary
+
+
+def _record(library: Path) -> Path:
+    """Where the size and SHA-256 of `library` are kept as built."""
+    return library.with_suffix(".json")
+
+
+def _measure(library: Path) -> dict:
+    """A library's record: its size and SHA-256 (a regular file's only: `regular_files`)."""
+    with open_regular(library) as f:
+        return {"size": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
+def _verified(library: Path) -> bool:
+    """Whether `library` is there as its build left it: a regular file of the size and SHA-256 its record says.
+    Neither file is opened unless it is a regular file (`regular_files`: a FIFO's read waits forever)."""
+    try:
+        found = _measure(library)
+        record = json.loads(read_regular(_record(library)))
+        if record != found:
+            size, digest = found["size"], found["sha256"][:16]
+            raise ValueError(f"{size} bytes of SHA-256 {digest}..., its record says {str(record)[:120]}")
+    except FileNotFoundError:
+        return False  # not built yet (or built before builds were recorded: built again)
+    except (OSError, ValueError) as e:
+        log.warning("the CPU kernels in %s are not as built (%s); building them again", library, e)
+        return False
+    return True
 
 
 def _headers(include: str) -> bytes:
