@@ -197,6 +197,8 @@ class ModelRunner:
         cache = self.cache
         for i in range(len(cache)):  # no donation: the new arrays have another shape
             cache[i] = self._call("cache_resize", fn, (cache[i],), out=self._cache_sharding)
+        if self.cache_length != length:  # a program compiled for another length ran
+            raise RuntimeError(f"the KV cache was resized to {self.cache_length} positions, not {length}")
 
     def prefill(
         self, rows: Sequence[PrefillRow], sample: bool = True, masks: Callable[[], np.ndarray] | None = None

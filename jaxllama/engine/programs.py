@@ -4,7 +4,8 @@ lowering it again (XLA's persistent cache, `runtime.enable_compilation_cache`, s
 is found again only by the same program of the same jaxllama source, jax version and configuration; one that cannot
 be read is exported again.
 
-A file is MAGIC, the SHA-256 of the rest, then `Exported.serialize()`: jax's own flatbuffer, whose `out_tree` is the
+A file is MAGIC, its key (the name it must have: a file copied or renamed over another's is another program), the
+SHA-256 of the rest, then `Exported.serialize()`: jax's own flatbuffer, whose `out_tree` is the
 pytree of the program's outputs (tuples, lists, dicts, None, and the dataclasses of KEPT_NODES, registered with jax's
 serialization, their static fields as JSON). Reading one runs no Python code of the file's (no pickle, as files of
 earlier versions held: those, a damaged file or one whose digest does not match are exported again); what it runs is
@@ -31,6 +32,7 @@ from jax import export
 from jaxllama.core.int8_kv import Int8KV
 from jaxllama.core.model import Placement
 from jaxllama.core.ops import Ops
+from jaxllama.core.regular_files import read_regular
 from jaxllama.engine.runtime import program_cache
 from jaxllama.engine.sampling import SamplingRows
 from jaxllama.engine.stats import EngineStats
@@ -39,7 +41,7 @@ from jaxllama.engine.step import DecodeState
 log = logging.getLogger(__name__)
 
 PACKAGE = Path(__file__).resolve().parents[1]
-MAGIC = b"jaxllama exported program 2\n"
+MAGIC = b"jaxllama exported program 3\n"
 # The dataclasses a kept program's outputs may hold besides tuples, lists, dicts and None. A program whose outputs
 # hold another node runs, but is not kept.
 KEPT_NODES = (DecodeState, SamplingRows, Int8KV, Placement)
@@ -75,20 +77,26 @@ def preload_imports() -> None:
     import scipy.linalg  # noqa: F401
 
 
-def program_key(fn, args, donate: int | None, static_key) -> str:
-    """The file name of fn's program on args (shapes, dtypes and their pytree, which holds static fields), with
-    fn's keyword arguments (config, flags), the donated argument, the caller's static switches, and what else
-    shapes a trace: jaxllama's source, jax's and jaxlib's versions and jax's configuration, the backend. fn: a
-    module-level function of jaxllama, or a partial of one with keyword arguments (whose reprs are whole: a
-    config, flags, numbers), so that nothing outside the key (a closure, a positional argument) shapes it."""
-    leaves, tree = jax.tree.flatten(args)
+def program_identity(fn) -> tuple:
+    """What of fn shapes its program besides its arguments: the function and its keyword arguments (config, flags,
+    lengths). fn: a module-level function of jaxllama, or a partial of one with keyword arguments only (frozen values,
+    whose reprs are whole), so that nothing outside the key (a closure, a positional argument) shapes a program."""
     func = fn.func if isinstance(fn, functools.partial) else fn
     if (isinstance(fn, functools.partial) and fn.args) or func.__closure__ or "<" in func.__qualname__:
         raise ValueError(f"{fn!r}: a kept program must be a module-level function, with keyword arguments only")
-    keywords = sorted(fn.keywords.items()) if isinstance(fn, functools.partial) else []
+    keywords = tuple(sorted(fn.keywords.items())) if isinstance(fn, functools.partial) else ()
+    return f"{func.__module__}.{func.__qualname__}", keywords
+
+
+def program_key(fn, args, donate: int | None, static_key) -> str:
+    """The file name of fn's program on args (shapes, dtypes and their pytree, which holds static fields), with
+    fn's identity (`program_identity`), the donated argument, the caller's static switches, and what else shapes a
+    trace: jaxllama's source, jax's and jaxlib's versions and jax's configuration, the backend."""
+    leaves, tree = jax.tree.flatten(args)
+    name, keywords = program_identity(fn)
     parts = (source_digest(), jax.__version__, jaxlib.__version__, sorted(jax.config.values.items()))
     parts += (jax.default_backend(),)
-    parts += (f"{func.__module__}.{func.__qualname__}", keywords, tree, [(x.shape, str(x.dtype)) for x in leaves])
+    parts += (name, list(keywords), tree, [(x.shape, str(x.dtype)) for x in leaves])
     parts += (donate, static_key)
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
@@ -123,7 +131,10 @@ def _compile_with_text(lowered, options: dict):
 
 
 class Programs:
-    """The compiled programs of one engine, by (kind, the arguments' pytree, shapes and dtypes, static switches).
+    """The compiled programs of one engine, by everything that shapes one: its kind, the function and its keyword
+    arguments (`program_identity`: a resize's target length, a prefill's span, the sampler's flags), the arguments'
+    pytree, shapes and dtypes, the donated argument, the caller's static switches and the outputs' shardings; in
+    memory as on disk, so that no call runs a program compiled for another.
     Compilation is counted and timed in `stats`, for `device`, the mesh's first (its compiler options). `keep_exported`:
     keep programs on disk where the compilation cache is on (one device of the default backend in one process).
     `abstract`: the arguments are ShapeDtypeStructs; a call compiles its program, records it in `calls` and returns
@@ -139,7 +150,9 @@ class Programs:
         """fn(*args) through its program, compiled on first use with outputs sharded as `out` (on one device, `out`
         is what the export gives anyway); `donate`: the index of an argument whose buffers the outputs reuse."""
         leaves, tree = jax.tree.flatten(args)
-        key = (kind, tree, tuple((x.shape, x.dtype) for x in leaves), static_key)
+        shardings, placed = jax.tree.flatten(out)
+        shapes = tuple((x.shape, x.dtype) for x in leaves)
+        key = (kind, program_identity(fn), tree, shapes, donate, static_key, placed, tuple(shardings))
         if key not in self._compiled:
             if not self._compiled:  # say why the first requests take a while
                 log.info("compiling the engine's programs, each shape once (a later run loads them from the cache)")
@@ -155,7 +168,7 @@ class Programs:
                     lowered = jitted.lower(*args)
                 if self.abstract:
                     compiled, text = _compile_with_text(lowered, options)
-                    compiled = Compiled(kind, tuple(key[2]), compiled, time.perf_counter() - start, text)
+                    compiled = Compiled(kind, shapes, compiled, time.perf_counter() - start, text)
                 else:
                     compiled = lowered.compile(compiler_options=options)
             seconds = time.perf_counter() - start
@@ -173,8 +186,9 @@ def compile_program(folder: Path, fn, args, donate: int | None, static_key, opti
     else exported there now. The compilation itself goes through XLA's persistent cache. None where the program
     cannot be exported (the caller then compiles it directly). `custom_calls`: the FFI targets the program may call."""
     leaves, in_tree = jax.tree.flatten(args)
-    path = folder / f"{program_key(fn, args, donate, static_key)}.jaxprog"
-    exported = _read(path)
+    key = program_key(fn, args, donate, static_key)
+    path = folder / f"{key}.jaxprog"
+    exported = _read(path, key, leaves)
     if exported is None:
 
         def flat(*xs):  # the arguments' leaves in, fn's outputs out: `exported.out_tree` is their pytree
@@ -186,7 +200,7 @@ def compile_program(folder: Path, fn, args, donate: int | None, static_key, opti
         except Exception as e:  # e.g. a custom call jax.export does not take on this backend
             log.warning("could not export program %s (%s); compiling it directly", path.name, e)
             return None
-        _write(path, exported)
+        _write(path, key, exported)
     donated = () if donate is None else tuple(_leaf_range(args, donate))
     compiled = jax.jit(exported.call, donate_argnums=donated).lower(*leaves).compile(compiler_options=options)
 
@@ -202,10 +216,11 @@ def _leaf_range(args, index: int) -> range:
     return range(start, start + len(jax.tree.leaves(args[index])))
 
 
-def _read(path: Path):
-    """The program kept in `path`, or None where there is none or it cannot be read (logged)."""
+def _read(path: Path, key: str, leaves):
+    """The program kept in `path` for `key`, taking arguments `leaves`, or None where there is none or it cannot be
+    read, is not a regular file, or is another program's (logged)."""
     try:
-        data = path.read_bytes()
+        data = read_regular(path)  # a FIFO under its name would block the read
     except FileNotFoundError:
         return None
     except OSError as e:  # another user's file, say: export it again (and keep it if we may)
@@ -214,23 +229,29 @@ def _read(path: Path):
     try:
         if not data.startswith(MAGIC):
             raise ValueError("not a program of this version")
-        digest, blob = data[len(MAGIC) : len(MAGIC) + 32], data[len(MAGIC) + 32 :]
+        header = len(MAGIC) + len(key)
+        found, digest, blob = data[len(MAGIC) : header], data[header : header + 32], data[header + 32 :]
+        if found != key.encode():
+            raise ValueError("it is another program's file")
         if hashlib.sha256(blob).digest() != digest:
             raise ValueError("its SHA-256 differs: changed since it was written")
-        return export.deserialize(bytearray(blob))
+        exported = export.deserialize(bytearray(blob))
+        if [(a.shape, a.dtype) for a in exported.in_avals] != [(x.shape, x.dtype) for x in leaves]:
+            raise ValueError("it takes other arguments")
+        return exported
     except Exception as e:  # a damaged or foreign file: export the program again
         log.warning("exported program %s unreadable (%s); exporting it again", path, e)
         return None
 
 
-def _write(path: Path, exported) -> None:
+def _write(path: Path, key: str, exported) -> None:
     temporary = None
     try:
         blob = bytes(exported.serialize())
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
             temporary = f.name
-            f.write(MAGIC + hashlib.sha256(blob).digest() + blob)
+            f.write(MAGIC + key.encode() + hashlib.sha256(blob).digest() + blob)
         os.replace(temporary, path)  # atomic: processes writing at once each leave a whole file
     except Exception as e:  # a read-only cache, an output node jax cannot serialize: the program runs, not kept
         log.warning("could not keep program %s (%s)", path, e)

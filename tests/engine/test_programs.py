@@ -150,3 +150,53 @@ def test_a_changed_file_is_exported_again(tmp_path, caplog):
         got = programs.compile_program(tmp_path, fn, args(), None, None, {})(*args())
     assert "unreadable" in caplog.text and len(TRACES) == 1
     np.testing.assert_allclose(got[0]["y"], want, rtol=1e-6)
+
+
+def resized(x, *, length):
+    """A program whose output's shape is a keyword's, not its argument's: as `kvcache.resize_layer`."""
+    TRACES.append(length)
+    return jnp.zeros(length).at[: x.shape[0]].set(x[:length])
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["in-memory", "exported"])
+def test_calls_that_differ_only_in_a_keyword_run_their_own_programs(tmp_path, monkeypatch, keep):
+    """A cache grown from 128 positions to 1,024, shrunk, then grown to 256 must get 256 (it got the 1,024-position
+    program: its key held the argument's shape and not the target length)."""
+    from jaxllama.core.ops import Ops
+    from jaxllama.engine.stats import EngineStats
+
+    monkeypatch.setattr(programs, "program_cache", lambda: tmp_path)
+    engine_programs = programs.Programs(Ops(), EngineStats(), jax.devices()[0], keep_exported=keep)
+    x = jnp.arange(128.0)
+    for length in (1024, 256, 128, 256, 1024):
+        y = engine_programs("cache_resize", functools.partial(resized, length=length), (x,), None, None, None)
+        assert y.shape == (length,)
+        np.testing.assert_array_equal(y[: min(128, length)], x[:length])
+    assert engine_programs.stats.compiles == 3
+
+
+def test_a_file_under_another_programs_name_is_exported_again(tmp_path, caplog):
+    """Two kept programs' files swapped (each whole, under the other's name): each is exported again, not run."""
+    fns = [functools.partial(step, scale=s) for s in (2.0, 3.0)]
+    for fn in fns:
+        programs.compile_program(tmp_path, fn, args(), None, None, {})
+    a, b = (tmp_path / f"{programs.program_key(fn, args(), None, None)}.jaxprog" for fn in fns)
+    data_a, data_b = a.read_bytes(), b.read_bytes()
+    a.write_bytes(data_b)
+    b.write_bytes(data_a)
+    TRACES.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxllama.engine.programs"):
+        for fn in fns:
+            got = programs.compile_program(tmp_path, fn, args(), None, None, {})(*args())
+            np.testing.assert_allclose(got[0]["y"], jax.jit(fn)(*args())[0]["y"], rtol=1e-6)
+    assert "another program's" in caplog.text and TRACES == [2.0, 2.0, 3.0, 3.0]  # exported again, then checked
+
+
+def test_a_file_that_is_not_a_regular_file_is_not_read(tmp_path, caplog):
+    """A FIFO under a program's name would block its reader forever: it is passed over and the program compiled."""
+    fn = functools.partial(step, scale=2.0)
+    os.mkfifo(tmp_path / f"{programs.program_key(fn, args(), None, None)}.jaxprog")
+    with caplog.at_level(logging.WARNING, logger="jaxllama.engine.programs"):
+        got = programs.compile_program(tmp_path, fn, args(), None, None, {})(*args())
+    assert "not a regular file" in caplog.text
+    np.testing.assert_allclose(got[0]["y"], jax.jit(fn)(*args())[0]["y"], rtol=1e-6)
