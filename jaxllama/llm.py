@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -76,7 +77,15 @@ class Score:
 
 
 class LLM:
-    """A loaded model with its tokenizer, chat template and end-of-generation ids, and an engine to run it."""
+    """A loaded model with its tokenizer, chat template and end-of-generation ids, and an engine to run it.
+
+    Its methods (`generate`, `chat`, `score`, `logits`, a stream being read) may be called from several threads at
+    once: one thread at a time uses the engine (a submission, a step, `logits`), in the order they asked, and the
+    requests of calls running at once share the engine's steps (whichever call steps hands the others their events),
+    up to `slots` at once, the rest waiting for a slot. So each thread gets the answer it would get alone, no sooner
+    than the steps it shares allow; for many clients, the server (`jaxllama.server`) batches their requests the same
+    way, with a queue limit and cancellation. `forward` is a pure function: calling it uses no engine.
+    """
 
     def __init__(
         self,
@@ -104,6 +113,15 @@ class LLM:
         # The events of each call still running (a stream not yet read to its end, say), by request id: whichever
         # call steps the engine hands every event to the call that owns it.
         self._inboxes: dict[object, collections.deque] = {}
+        # Turns at the engine, one thread at a time (the engine donates its cache to each step: two threads stepping
+        # at once would read a freed array), first come first served (tickets: a thread that steps again at once must
+        # not keep the others from submitting), a turn a step: between steps a thread takes the events another's
+        # step gave it. `_user` is the thread whose turn it is (None: nobody's), `_depth` how deep in its own uses.
+        self._turn = threading.Condition()
+        self._user: int | None = None
+        self._depth = 0
+        self._serving = self._next_ticket = 0  # the ticket whose turn it is; the next one to give (equal: no queue)
+        self._spent: set[int] = set()  # tickets used, or given up waiting (interrupted): skipped
 
     @classmethod
     def load(
@@ -158,8 +176,12 @@ class LLM:
         where = memory.plan(config, jax.devices(), mesh, options, cache_dtype, stored=stored)
         mesh, form, run_config = where.mesh, product_form(config), where.config
         ops = backends.choose(mesh, form, kernel_dir(), cpu_kernels=options.cpu_kernels, quantize=options.quantize)
-        if where.footprint is None:  # a CPU: the host's memory
-            memory.check_host(config, ops, form, mesh, stored=stored)
+        if where.footprint is None:  # a CPU: the host's memory, for everything the engine will hold (its cache too)
+            cache_dtype, page_size = memory.cache_form(ops, options, activation_dtype_of(config), mesh.shape["data"])
+            weights, restoring = memory.host_weights(config, ops, form, mesh, stored=stored)
+            chosen = options.max_context is not None
+            args = (run_config, mesh, ops, where.slots, where.context, cache_dtype, page_size)
+            where = memory.fit_host(*args, chosen=chosen, weights=weights, restoring=restoring)
         elif options.max_context is None and where.context < config.max_seq_len:
             log.info(
                 "context: %d positions (what fits beside the weights; the model's is %d)",
@@ -276,7 +298,9 @@ class LLM:
         for i, row in enumerate(rows):
             tokens[i, : len(row)] = row
         replicated = NamedSharding(self.mesh, PartitionSpec())  # every process can read all of it
-        out = np.array(_sequence_logits(self.params, self.config, jnp.asarray(tokens), replicated, self.engine.ops))
+        with self._engine_turn():  # the engine's weights and operations, which a step uses meanwhile
+            logits = _sequence_logits(self.params, self.config, jnp.asarray(tokens), replicated, self.engine.ops)
+            out = np.array(logits)
         for i, n in enumerate(lengths):
             out[i, n:] = np.nan
         return out
@@ -389,11 +413,8 @@ class LLM:
                 prompts.append(ids)
                 scored.append(len(ids) - 1)
         params = SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=1)
-        request_ids = []
-        for prompt in prompts:
-            request_ids.append(self._new_id())
-            self.text_engine.submit(request_ids[-1], TextRequest(prompt, params))
-        with contextlib.closing(self._events(request_ids)) as events:
+        request_ids, inbox = self._submit([TextRequest(prompt, params) for prompt in prompts])
+        with contextlib.closing(self._events(request_ids, inbox)) as events:
             results = {e.id: e.result for e in events if e.result is not None}
         out = []
         for rid, prompt, n in zip(request_ids, prompts, scored, strict=True):
@@ -420,15 +441,10 @@ class LLM:
             if not single or n > 1:
                 raise ValueError("stream=True takes a single prompt or conversation, and n=1")
             return self._stream(ids[0], params, stop, include_stop, grammar)
-        request_ids = []
-        for prompt_ids in ids:
-            rid = self._new_id()
-            self.text_engine.submit(
-                rid, TextRequest(prompt_ids, params, stop, include_stop, logprobs, grammar=grammar, n=n)
-            )
-            request_ids.append(rid)
+        requests = [TextRequest(p, params, stop, include_stop, logprobs, grammar=grammar, n=n) for p in ids]
+        request_ids, inbox = self._submit(requests)
         results = {r: [None] * n for r in request_ids}
-        with contextlib.closing(self._events(request_ids)) as events:  # closed early: the rest are cancelled
+        with contextlib.closing(self._events(request_ids, inbox)) as events:  # closed early: the rest are cancelled
             for event in events:
                 if event.result is not None:
                     if event.result.error is not None:
@@ -438,41 +454,109 @@ class LLM:
         return out[0] if single else out
 
     def _stream(self, prompt_ids, params, stop, include_stop, grammar=None) -> Iterator[str]:
-        rid = self._new_id()
-        self.text_engine.submit(rid, TextRequest(prompt_ids, params, stop, include_stop, grammar=grammar))
-        with contextlib.closing(self._events([rid])) as events:
+        request_ids, inbox = self._submit([TextRequest(prompt_ids, params, stop, include_stop, grammar=grammar)])
+        with contextlib.closing(self._events(request_ids, inbox)) as events:
             for event in events:
                 if event.result is not None and event.result.error is not None:
                     raise event.result.error
                 if event.delta:
                     yield event.delta
 
-    def _events(self, request_ids: Sequence) -> Iterator[Event]:
-        """The events of the submitted `request_ids`, in order, until each has had its last, stepping the engine as
-        needed; the events of other calls' requests that those steps give are kept for their calls. Closed before
-        the end (a stream its reader dropped, an error): the requests not finished are cancelled."""
-        inbox, open_ids = collections.deque(), set(request_ids)
-        for rid in open_ids:
-            self._inboxes[rid] = inbox
+    def _submit(self, requests: Sequence[TextRequest]) -> tuple[list[str], collections.deque]:
+        """Submit `requests` to the engine, their events to go to one new inbox; return their ids and the inbox.
+        Registered in the same turn as submitted: a step of another thread's may give their first events next."""
+        inbox, request_ids = collections.deque(), []
+        with self._engine_turn():
+            try:
+                for request in requests:
+                    rid = self._new_id()
+                    self.text_engine.submit(rid, request)
+                    self._inboxes[rid] = inbox
+                    request_ids.append(rid)
+            except BaseException:  # one refused: the call fails, and the ones before it must not run on unread
+                self._drop(request_ids)
+                raise
+        return request_ids, inbox
+
+    def _events(self, request_ids: Sequence, inbox: collections.deque) -> Iterator[Event]:
+        """The events of the submitted `request_ids` (from their `inbox`), in order, until each has had its last,
+        stepping the engine as needed; the events of other calls' requests that those steps give are kept for their
+        calls. Closed before the end (a stream its reader dropped, an error): the requests not finished are
+        cancelled."""
+        open_ids = set(request_ids)
         try:
             while open_ids:
-                while not inbox:
-                    if not self.text_engine.has_work():  # never, unless a request was dropped without its events
-                        raise RuntimeError(f"the engine has no work left for requests {sorted(open_ids)}")
-                    for event in self.text_engine.step():
-                        owner = self._inboxes.get(event.id)
-                        if owner is not None:
-                            owner.append(event)
+                if not inbox:
+                    self._step_for(inbox, open_ids)
+                    continue
                 event = inbox.popleft()
                 if event.last:
                     open_ids.discard(event.id)
-                    del self._inboxes[event.id]
+                    self._inboxes.pop(event.id, None)
                 yield event
         finally:
-            for rid in open_ids:
+            if open_ids:
+                self._drop(open_ids)
+
+    def _step_for(self, inbox: collections.deque, open_ids: set) -> None:
+        """Step the engine once for a call waiting for its events in `inbox`, handing each event to its call; or,
+        while another thread uses the engine, wait for it to finish (its step may bring this call's events)."""
+        with self._turn:
+            if self._serving != self._next_ticket:  # a thread's turn, or some waiting: this call's events may come
+                self._turn.wait()
+                return
+        with self._engine_turn():
+            if inbox:  # another thread's step, just before this turn, brought them
+                return
+            if not self.text_engine.has_work():  # never, unless a request was dropped without its events
+                raise RuntimeError(f"the engine has no work left for requests {sorted(open_ids)}")
+            for event in self.text_engine.step():
+                owner = self._inboxes.get(event.id)
+                if owner is not None:
+                    owner.append(event)
+
+    def _drop(self, request_ids) -> None:
+        """Cancel the requests of a call that will not read their events any more."""
+        with self._engine_turn():
+            for rid in request_ids:
                 self._inboxes.pop(rid, None)
                 if self.text_engine.running(rid):
                     self.text_engine.cancel(rid)
+
+    @contextlib.contextmanager
+    def _engine_turn(self):
+        """Use the engine: wait for this thread's turn (after the threads that asked before it), then hold it until
+        the block ends. Re-entrant: a thread may nest its own uses, as a dropped stream's clean-up in the middle of a
+        step does."""
+        me = threading.get_ident()
+        with self._turn:
+            if self._user != me:
+                ticket = self._next_ticket
+                self._next_ticket += 1
+                try:
+                    self._turn.wait_for(lambda: self._serving == ticket)
+                except BaseException:  # KeyboardInterrupt: the turn must pass on without this thread
+                    self._spent.add(ticket)
+                    self._pass_turn()
+                    raise
+                self._user = me
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._turn:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._user = None
+                    self._spent.add(self._serving)
+                    self._pass_turn()
+
+    def _pass_turn(self) -> None:
+        """Hand the turn to the first ticket not abandoned (or to nobody); called holding `_turn`."""
+        while self._serving in self._spent:
+            self._spent.discard(self._serving)
+            self._serving += 1
+        self._turn.notify_all()
 
     def _new_id(self) -> str:
         self._next_id += 1

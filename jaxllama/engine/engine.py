@@ -1,7 +1,8 @@
 """`Engine`: a scheduler (`scheduler.py`, plain Python: which requests hold which slots, when to prefill and when to
 decode) driving a model runner (`model_runner.py`, the model's programs on a mesh). The backend is chosen here, once,
 from the mesh and the weights (`jaxllama.backends.choose`), unless the caller chose it, and the options are resolved
-here for the model, the mesh and the backend (`options.py`).
+here for the model, the mesh and the backend (`options.py`), and on a CPU for the host's memory (`memory.fit_host`:
+a context not chosen shrinks to what fits, a chosen one that cannot fit is refused) before the cache is allocated.
 
     engine = Engine(config, params, mesh, EngineOptions(max_slots=8), eos_ids=[2])
     for update in engine.generate([Request("a", prompt_ids, SamplingParams(max_tokens=16))]):
@@ -22,7 +23,7 @@ from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import activation_dtype
 from jaxllama.core.ops import Ops
 from jaxllama.core.params import product_form
-from jaxllama.engine import kvcache
+from jaxllama.engine import memory
 from jaxllama.engine.model_runner import ModelRunner
 from jaxllama.engine.options import EngineOptions
 from jaxllama.engine.request import FinishReason, Request, Update
@@ -63,9 +64,11 @@ class Engine:
         self.ops = ops or backends.choose(mesh, form, kernel_dir(), cpu_kernels=cpu_kernels, quantize=quantize)
         kernels_s = time.perf_counter() - start
         data, platform = mesh.shape["data"], mesh.devices.flat[0].platform
-        cache_dtype = kvcache.dtype(options.kv_cache_dtype, self.ops.cache_dtype(dtype))
-        page_size = self.ops.page_size(cache_dtype) if data == 1 else 0
+        cache_dtype, page_size = memory.cache_form(self.ops, options, dtype, data)
         self.options = options.resolved(config.max_seq_len, data, platform, cache_dtype, page_size)
+        if platform == "cpu" and not abstract:  # the host's memory, before the cache is allocated (`memory.py`)
+            chosen = options.max_context is not None
+            self.options = _fit_host(config, mesh, self.ops, self.options, cache_dtype, chosen=chosen)
         eos_ids = sorted(set(int(i) for i in eos_ids))
         runner = ModelRunner(
             config,
@@ -116,3 +119,13 @@ class Engine:
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Update]:
         return self.scheduler.generate(requests)
+
+
+def _fit_host(config: ModelConfig, mesh: Mesh, ops: Ops, options: EngineOptions, cache_dtype, *, chosen: bool):
+    """`options` with a context whose cache and decode state fit the host's available memory (`memory.fit_host`;
+    the weights are in it already); ModelTooLarge, with the figures, where a `chosen` context does not fit. A
+    context chosen here keeps memory.OVERHEAD free for the programs; one given (`LLM.load` sized it with that margin
+    before the weights loaded, or the user chose it) is refused only where the cache itself cannot fit."""
+    args = (config, mesh, ops, options.max_slots, options.max_context, cache_dtype, options.page_size)
+    where = memory.fit_host(*args, chosen=chosen, overhead=0 if chosen else memory.OVERHEAD)
+    return dataclasses.replace(options, max_context=where.context)

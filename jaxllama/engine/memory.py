@@ -3,8 +3,11 @@
 A model too large for the machine is refused at once, with the bytes it needs and the bytes there are, rather than
 found out by the kernel's out-of-memory killer or the device's allocator minutes later.
 
-- On a CPU the devices share the host's memory: the weights (a copy per replica along the mesh's `data` axis) and
-  one layer being restored must fit in the available memory; the KV cache grows with the sequences in it.
+- On a CPU the devices share the host's memory, and everything the engine will allocate is counted against what is
+  available (`fit_host`): the weights (as its backend holds them, a copy per replica along the mesh's `data` axis),
+  or one layer being restored beside them; the KV cache at its largest (a contiguous cache grows by buckets up to
+  the slots times the context, with one layer's new copy beside it as it grows; a paged pool is allocated whole, and
+  XLA's attention gathers a layer's pages into a copy); the decode state; and OVERHEAD for the programs.
 - On an accelerator each device holds its share: the weights as the mesh splits them (replicated parts in full),
   the KV cache at its final size (the slots times the context, as the mesh splits it), the moment the cache grows
   (one layer's new copy beside the old cache: `ModelRunner.resize`), the decode state, and the largest program's
@@ -14,13 +17,16 @@ found out by the kernel's out-of-memory killer or the device's allocator minutes
 
 Without a --mesh, an accelerator's mesh is the one among those that fit whose decode step moves the fewest bytes per
 device (a decode step is bound by HBM bandwidth: the weights each device reads plus its part of the live KV cache);
-of equals, the one with the larger `data` axis (fewer collectives). Without --max-context, an accelerator's context
-is the longest that fits (at most the model's); a CPU's is the model's, as its cache grows only as sequences need.
+of equals, the one with the larger `data` axis (fewer collectives). Without --max-context, the context is the longest
+that fits (at most the model's), on a CPU as on an accelerator: a contiguous cache grows only as its sequences do, but
+64 long sequences would reach its full size, and the out-of-memory killer ends the process then, not at load. A
+context the user chose that cannot fit is refused, with the figures, before anything is loaded or allocated.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import jax
@@ -39,6 +45,8 @@ from jaxllama.core.sharding import make_mesh, model_axes, parse_mesh
 from jaxllama.engine import buckets, kvcache
 from jaxllama.engine.options import EngineOptions
 from jaxllama.errors import ModelTooLarge
+
+log = logging.getLogger(__name__)
 
 # What a running engine holds besides its weights, cache and state (compiled programs, temporaries, the runtime's
 # buffers), until the compiler says.
@@ -73,13 +81,13 @@ class Footprint:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Where and how big the engine runs: its mesh, decode slots and context (in positions), and, on an accelerator,
-    what each device holds and can hold."""
+    """Where and how big the engine runs: its mesh, decode slots and context (in positions), and what each device
+    (on a CPU: the host) holds and can hold."""
 
     mesh: Mesh
     slots: int
     context: int
-    footprint: Footprint | None = None  # None on a CPU
+    footprint: Footprint | None = None  # on a CPU, None until the backend is chosen (`fit_host`)
     device_memory: int | None = None
     config: ModelConfig | None = None  # the model as it runs on the mesh: its KV heads repeated (`kv_groups`)
 
@@ -137,7 +145,7 @@ def plan(
     devices, max_slots, max_context, quantize = list(devices), options.max_slots, options.max_context, options.quantize
     ops = Ops(int8_weights=backends.int8_at_load(product_form(config), devices[0].platform, quantize))
     memory = memory_of(devices[0])
-    if memory is None:  # a CPU: the host's memory, checked by `check_host`
+    if memory is None:  # a CPU: the host's memory, counted by `fit_host` once the backend is chosen
         mesh = make_mesh(config, spec, devices)
         slots = buckets.slot_count(max_slots, mesh.shape["data"])
         run = kv_groups.repeated_config(config, kv_groups.repeats(config, mesh.shape["model"]))
@@ -196,20 +204,106 @@ def _longest_context(config, mesh, slots, limit, cache_dtype, memory, stored, op
     return max(min(context, limit), min(MIN_CONTEXT, limit))
 
 
-def check_host(config: ModelConfig, ops: Ops, dtype, mesh: Mesh, stored: ModelConfig | None = None) -> None:
-    """On a CPU: raise ModelTooLarge unless the weights `ops` prepares from those `config` describes (`dtype`: the
-    form of its products, `params.product_form`), a copy per replica along the mesh's `data` axis, plus one layer
-    being restored (as the checkpoint `stored` holds it, and as restored), plus OVERHEAD, fit in the host's
-    available memory."""
+def cache_form(ops: Ops, options: EngineOptions, activations, data: int) -> tuple:
+    """The KV cache's dtype and page size (0: contiguous) an engine of `ops` runs with for `options`, the model
+    computing in `activations` on a mesh of `data` replicas: the ones asked for, else the backend's."""
+    cache_dtype = kvcache.dtype(options.kv_cache_dtype, ops.cache_dtype(activations))
+    page_size = options.page_size if options.page_size is not None else ops.page_size(cache_dtype) if data == 1 else 0
+    return cache_dtype, page_size
+
+
+def host_weights(config: ModelConfig, ops: Ops, dtype, mesh: Mesh, stored: ModelConfig | None = None) -> tuple:
+    """(weights, restoring): the host bytes of the weights `ops` runs from those `config` describes (`dtype`: the form
+    of its products, `params.product_form`), a copy per replica along the mesh's `data` axis, and of one layer being
+    restored beside them (as the checkpoint `stored` holds it, and as restored)."""
     # XLA reads the weights as restored; a backend that prepares its own in host memory says their bytes.
     weights = ops.weight_bytes(config, dtype) if ops.prepared_on_host else stored_bytes(config)
-    need = weights * mesh.shape["data"] + _layer_bytes(config) + _layer_bytes(stored or config) + OVERHEAD
+    return weights * mesh.shape["data"], _layer_bytes(config) + _layer_bytes(stored or config)
+
+
+def host_footprint(
+    config: ModelConfig,
+    mesh: Mesh,
+    ops: Ops,
+    slots: int,
+    context: int,
+    cache_dtype,
+    page_size: int,
+    *,
+    weights: int = 0,
+    restoring: int = 0,
+    overhead: int = OVERHEAD,
+) -> Footprint:
+    """What this host holds running an engine of `ops` on the CPU mesh `mesh` with `slots` slots of `context`
+    positions: `weights` (0: already in memory) or `restoring`, the KV cache at its largest (`page_size` > 0: a pool
+    allocated whole; else a contiguous cache at its last growth, one layer's new copy beside it), the decode state,
+    and `overhead` for the programs, plus, for a pool, the copy of a layer's pages XLA's attention gathers."""
+    layout = dataclasses.replace(ops.cache_layout, page_size=page_size) if page_size else ops.cache_layout
+    here = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)  # this host's devices
+    layer = per_device_bytes(kvcache.abstract(config, mesh, slots, context, cache_dtype, layout)[0]) * here
+    state = math.ceil(slots / mesh.shape["data"]) * (config.vocab_size * 5 + 1024) * here  # token counts and seen
+    growth, temporaries = (0, overhead + layer) if page_size else (layer, overhead)
+    return Footprint(weights, layer * config.n_layers, growth, state, temporaries, restoring)
+
+
+def fit_host(
+    config: ModelConfig,
+    mesh: Mesh,
+    ops: Ops,
+    slots: int,
+    context: int,
+    cache_dtype,
+    page_size: int,
+    *,
+    chosen: bool,
+    weights: int = 0,
+    restoring: int = 0,
+    overhead: int = OVERHEAD,
+) -> Plan:
+    """The plan of an engine on a CPU mesh (`host_footprint`'s arguments) against the host's available memory: as
+    asked where it fits; else, where the context was not `chosen` by the user, the longest that fits (a multiple of
+    MIN_BUCKET, at least MIN_CONTEXT), with a warning giving the figures; else ModelTooLarge, with them."""
     have = psutil.virtual_memory().available
-    if need > have:
-        raise ModelTooLarge(
-            f"the model needs about {need / 2**30:.1f} GiB ({weights / 2**30:.1f} GiB of weights as "
-            f"{type(ops).__name__} runs them), the available memory is {have / 2**30:.1f} GiB"
-        )
+    needs = lambda c: host_footprint(
+        config, mesh, ops, slots, c, cache_dtype, page_size, weights=weights, restoring=restoring, overhead=overhead
+    )
+    asked = Plan(mesh, slots, context, needs(context), have, config)
+    if asked.fits:
+        return asked
+    if chosen:
+        raise ModelTooLarge(_host_too_large(asked, page_size))
+    shortest = min(MIN_CONTEXT, context)
+    low, high = shortest // buckets.MIN_BUCKET, (context - 1) // buckets.MIN_BUCKET  # multiples below `context`
+    best = Plan(mesh, slots, shortest, needs(shortest), have, config)
+    if not best.fits:
+        raise ModelTooLarge(_host_too_large(best, page_size))
+    while low <= high:  # the footprint grows with the context
+        mid = (low + high) // 2
+        p = Plan(mesh, slots, mid * buckets.MIN_BUCKET, needs(mid * buckets.MIN_BUCKET), have, config)
+        low, high, best = (mid + 1, high, p) if p.fits else (low, mid - 1, best)
+    log.warning(
+        "context: %d positions, not %d: %d slots of %d would need about %.1f GiB (%s), the available memory is "
+        "%.1f GiB (--max-context and --max-batch choose them)",
+        best.context,
+        context,
+        slots,
+        context,
+        asked.footprint.total / 2**30,
+        asked.footprint.describe(),
+        have / 2**30,
+    )
+    return best
+
+
+def _host_too_large(p: Plan, page_size: int) -> str:
+    """Why a plan does not fit the host's memory, with both figures."""
+    pool = "; a paged KV cache is allocated whole" if page_size and p.footprint.cache else ""
+    return (
+        f"the model needs about {p.footprint.total / 2**30:.1f} GiB with {p.slots} slots of {p.context} positions "
+        f"({p.footprint.describe()}{pool}); the available memory is {p.device_memory / 2**30:.1f} GiB. Use fewer "
+        f"slots (--max-batch), a shorter context (--max-context), a 16-bit or int8 KV cache (--kv-cache-dtype) or "
+        f"smaller weights"
+    )
 
 
 def _layer_bytes(config: ModelConfig) -> int:

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import time
 from typing import Annotated, Any
 
@@ -42,6 +43,8 @@ from jaxllama.server.metrics import Metrics
 from jaxllama.server.worker import EngineWorker, RequestStream
 
 JSONObject = Annotated[dict[str, Any], Body()]
+
+log = logging.getLogger(__name__)
 
 # What a request can fail with before its answer starts: its body, its encoding or the engine's checks
 # (ValueErrors), a full queue, a stopped engine, a client gone.
@@ -176,8 +179,7 @@ class OpenAIHandlers:
             if prepared.options.stream:
                 first = await _unless_disconnected(request, streams[0].next(), streams)
             else:
-                collected = asyncio.gather(*(_collect(stream, prepared.n) for stream in streams))
-                results = await _unless_disconnected(request, collected, streams)
+                results = await _unless_disconnected(request, _collect_all(streams, prepared.n), streams)
                 _raise_error(results)
         except REFUSALS as e:
             for stream in streams:  # the others of several prompts
@@ -205,9 +207,12 @@ def _refusal(error: Exception, kind: str) -> JSONResponse:
 
 
 async def _unless_disconnected(request: Request, work, streams: list[RequestStream]):
-    """Await `work` unless the client goes away first: then cancel the requests and raise ClientClosed."""
+    """Await the coroutine `work` unless the client goes away first: then cancel the requests and raise ClientClosed.
+    `work` runs as a task, which a cancel ends as cancelled, leaving nothing for the event loop to log (a future
+    of `asyncio.gather` cancelled here instead would end in a CancelledError that nobody reads: a traceback, logged
+    when it is collected, for each client gone)."""
     disconnected = asyncio.ensure_future(_disconnected(request))
-    task = asyncio.ensure_future(work)
+    task = asyncio.create_task(work)
     try:
         await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -217,6 +222,7 @@ async def _unless_disconnected(request: Request, work, streams: list[RequestStre
             for stream in streams:
                 stream.cancel()
     if not task.done():  # cancelled just now: the client is gone
+        log.debug("client gone: requests %s cancelled", [stream.id for stream in streams])
         raise ClientClosed("the client closed the connection")
     return task.result()
 
@@ -233,6 +239,13 @@ def _raise_error(results: list[list[Result]]) -> None:
         for result in samples:
             if result.error is not None:
                 raise result.error
+
+
+async def _collect_all(streams: list[RequestStream], n: int) -> list[list[Result]]:
+    """Each request's finished results, one per choice; the first error of any raised at once. Awaited here, in a
+    task that `_unless_disconnected` may cancel: the gathered future's end (a CancelledError then) is read by this
+    task, not left unread for the event loop to log with its traceback."""
+    return await asyncio.gather(*(_collect(stream, n) for stream in streams))
 
 
 async def _collect(stream: RequestStream, n: int) -> list[Result]:

@@ -65,8 +65,9 @@ def test_the_memory_a_model_needs_is_what_its_backend_holds(quantize):
     )
     mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
     ops = CpuOps(quantize)
+    weights, restoring = memory.host_weights(config, ops, np.float32, mesh)
+    assert weights == ops.weight_bytes(config, np.float32)
     with pytest.raises(ModelTooLarge) as e:
-        memory.check_host(config, ops, np.float32, mesh)
-    weights = ops.weight_bytes(config, np.float32)
-    assert f"{weights / 2**30:.1f} GiB of weights" in str(e.value)
+        memory.fit_host(config, mesh, ops, 1, 512, np.float16, 0, chosen=False, weights=weights, restoring=restoring)
+    assert f"weights {weights / 2**30:.2f}" in str(e.value)
     assert weights / config.n_params == pytest.approx(4 if quantize is None else 1.125, rel=0.05)  # + the embedding

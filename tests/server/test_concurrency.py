@@ -3,7 +3,10 @@ answered 429 at once; a client that goes away frees its slot."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import gc
+import logging
 import threading
 import time
 
@@ -168,3 +171,35 @@ def test_a_waiting_request_whose_client_gives_up_is_dropped(live):
     assert _finished(live, "cancelled") == cancelled + 1
     answer = live.client().completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0)
     assert answer.usage.completion_tokens == 3
+
+
+def test_non_streamed_clients_that_leave_are_cancelled_without_a_traceback(live, caplog):
+    """Clients of non-streamed requests for several samples (n > 1) that leave before their answers: their requests
+    are cancelled, their slots freed, and the server logs no traceback for them (the gathered collection of a
+    request's samples, cancelled, once left its CancelledError unread: "_GatheringFuture exception was never
+    retrieved", a traceback a client)."""
+    worker, clients, n = live.worker, 5, 3  # 15 samples: every slot running, the rest waiting
+    cancelled = _finished(live, "cancelled")
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 28, "temperature": 0, "n": n}  # to the context
+
+    async def leave_early():
+        async with httpx.AsyncClient(timeout=60) as http:
+            posts = [asyncio.create_task(http.post(f"{live.url}/v1/completions", json=body)) for _ in range(clients)]
+            deadline = time.monotonic() + 30
+            while worker.running < SLOTS:
+                assert time.monotonic() < deadline, "the requests did not start"
+                await asyncio.sleep(0.001)
+            for post in posts:  # the connections close: each client is gone
+                post.cancel()
+            await asyncio.gather(*posts, return_exceptions=True)
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(leave_early())
+        wait_until(lambda: _idle(live), what="the slots to be freed")
+        gc.collect()  # a future never read logs its exception when it is collected
+    assert _finished(live, "cancelled") > cancelled
+    logged = "\n".join(r.getMessage() + (r.exc_text or "") for r in caplog.records if r.levelno >= logging.WARNING)
+    assert "never retrieved" not in logged and "Traceback" not in logged and "CancelledError" not in logged, logged
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    answer = live.client().completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0, n=2)
+    assert [c.finish_reason for c in answer.choices] == ["length", "length"]
