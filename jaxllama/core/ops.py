@@ -189,7 +189,13 @@ class Ops:
     def greedy(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         """logits [b, v] float32 -> (the most likely token [b] int32, the first on ties; its log-probability [b])."""
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return tokens, logprob_of(logits, tokens)
+        return tokens, logprob_of(logits, tokens, self)
+
+    def logsumexp(self, logits: jax.Array) -> jax.Array:
+        """logits [..., v] float32 -> log sum exp over v [...]: what every reported log-probability subtracts. A
+        backend that promises batch invariance computes each row alone (XLA's reduction over [b, v] may group a
+        row's terms otherwise for another b)."""
+        return jax.nn.logsumexp(logits, axis=-1)
 
     def compiler_options(self, program: str, device) -> dict:
         """XLA compiler options for one of the engine's programs (by its kind, e.g. "decode_layers") on `device`, the
@@ -246,10 +252,10 @@ def _abstract_weight(w) -> jax.ShapeDtypeStruct:
     return w
 
 
-def logprob_of(logits, tokens):
+def logprob_of(logits, tokens, ops: Ops):
     """log softmax(logits)[tokens], without writing out the whole [b, v] log-softmax."""
     picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
+    return picked - ops.logsumexp(logits)
 
 
 XLA = Ops()

@@ -167,13 +167,13 @@ def sample(logits, rows: SamplingRows, history: RowHistory, flags: SamplerFlags,
         logits = apply_bias(logits, rows)
     if flags.mask:
         logits = apply_mask(logits, mask)
-    top = top_logprobs(logits, rows) if flags.top else None
+    top = top_logprobs(logits, rows, ops) if flags.top else None
     if not flags.sample:
         return *ops.greedy(logits), top
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     neg = jnp.finfo(jnp.float32).min
     scaled = logits / jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
-    logz = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+    logz = ops.logsumexp(scaled)[:, None]
     keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.wrap_key_data(k), s))(rows.key, step)
     tokens = greedy
     if flags.full:  # exact sampling over the whole vocabulary (Gumbel-max), min_p as a threshold
@@ -191,15 +191,15 @@ def sample(logits, rows: SamplingRows, history: RowHistory, flags: SamplerFlags,
         tokens = jnp.where(filtered, drawn, tokens)
     sampled = rows.temperature > 0
     scaled_lp = jnp.take_along_axis(scaled - logz, tokens[:, None], axis=-1)[:, 0]
-    return tokens, jnp.where(sampled, scaled_lp, logprob_of(logits, tokens)), top
+    return tokens, jnp.where(sampled, scaled_lp, logprob_of(logits, tokens, ops)), top
 
 
-def top_logprobs(logits, rows: SamplingRows):
+def top_logprobs(logits, rows: SamplingRows, ops: Ops = XLA):
     """The MAX_LOGPROBS most likely tokens of each row and their log-probabilities, in the distribution a sampled
     token's log-probability is reported from: logits [b, v] (after penalties) divided by the row's temperature, or
     as they are for a greedy row. Temperature keeps the order, so the candidates are the logits' own top.
     -> (ids [b, k] int32, logprobs [b, k] float32), the most likely first."""
     values, ids = jax.lax.top_k(logits, min(MAX_LOGPROBS, logits.shape[-1]))
     t = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
-    logz = jax.nn.logsumexp(logits / t, axis=-1, keepdims=True)
+    logz = ops.logsumexp(logits / t)[:, None]
     return ids.astype(jnp.int32), values / t - logz

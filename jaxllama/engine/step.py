@@ -280,7 +280,7 @@ def _logprobs_of(params, x, following, config: ModelConfig, ops: Ops):
     def row(args):
         x, following = args
         logits = head(params, config, x, ops=ops)  # [q, vocab] float32
-        logz = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        logz = ops.logsumexp(logits)[:, None]
         picked = jnp.take_along_axis(logits, following[:, None], axis=-1)
         values, ids = jax.lax.top_k(logits, k)
         return (picked - logz)[:, 0], ids.astype(jnp.int32), values - logz

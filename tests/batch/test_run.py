@@ -155,7 +155,7 @@ def finished_ids(out: Path) -> set[str]:
 def wait_for_lines(out: Path, n: int, timeout: float = 300) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline and len(finished_ids(out)) < n:
-        time.sleep(0.05)
+        time.sleep(0.01)
 
 
 def without_timings(records: list[dict]) -> list[dict]:
@@ -165,15 +165,20 @@ def without_timings(records: list[dict]) -> list[dict]:
 @pytest.mark.slow
 def test_resume_after_ctrl_c_or_kill_loses_and_duplicates_nothing(tiny_chat, tmp_path):
     # max_tokens growing along the job: longest first runs the last lines first, so that finished lines wait in
-    # the journal, not yet in the output
-    lines = [{"id": f"r{i}", "prompt": f"the {i}", "max_tokens": 8 + 2 * i, "temperature": 0} for i in range(24)]
+    # the journal, not yet in the output. Every line runs to its max_tokens: when the third is done, seven eighths of
+    # the job's decode steps are still to run (over a thousand), so that on any machine the signal, sent within a
+    # poll of the journal, arrives long before the job could end.
+    lines = [
+        {"id": f"r{i}", "prompt": f"the {i}", "max_tokens": 100 + 4 * i, "ignore_eos": True, "temperature": 0}
+        for i in range(24)
+    ]
     job = write_job(tmp_path / "job.jsonl", lines)
     out, journal = tmp_path / "job.out.jsonl", tmp_path / "job.out.jsonl.journal"
     proc = start_job(job, tiny_chat, "--max-batch", "2", "--quiet")
     wait_for_lines(out, 3)
     proc.send_signal(signal.SIGINT)
     stderr = proc.communicate(timeout=120)[1]
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == 130, f"{len(finished_ids(out))} of 24 lines done before the signal: {stderr}"
     assert "Traceback" not in stderr and "run the same command again to resume" in stderr
     done = int(stderr.split("interrupted: ")[1].split(" of 24 lines done")[0])
     assert done >= 3 and len(read(out)) < done  # the output waits for the first lines; the journal holds the rest

@@ -148,7 +148,12 @@ def test_a_prefix_is_read_from_the_pages_that_hold_it(tiny, dtype):
     assert pages.held[slot][:3] == pages.held[busy][:3]  # shared, not copied
     distinct = set().union(*map(set, pages.held))
     assert pages.free == pages.pages - len(distinct) and sum(map(len, pages.held)) - len(distinct) >= 3
-    np.testing.assert_allclose([lp for u in updates if u.id == "b" for lp in u.logprobs], fresh, rtol=1e-5)
+    # To XLA's rounding, which depends on how the prompt was split (the span its attention sums over): on AVX-512
+    # XLA:CPU gives both the same bits, on AVX2 alone (a first-generation EPYC; here under valgrind, whose CPU has no
+    # AVX-512) they differ by ~1e-6 of a log-probability. An int8 cache turns such a difference in a key or value
+    # into a whole step of its rounding where it lies near a half step: up to 3.5e-4 there.
+    atol = 1e-3 if dtype == "int8" else 0
+    np.testing.assert_allclose([lp for u in updates if u.id == "b" for lp in u.logprobs], fresh, rtol=1e-5, atol=atol)
 
 
 @pytest.mark.slow

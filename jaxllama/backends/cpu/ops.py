@@ -135,6 +135,10 @@ class CpuOps(Ops):
         tokens, top, logz = row_stats(logits.astype(jnp.float32))  # one pass over the logits, on every thread
         return tokens, top - logz
 
+    def logsumexp(self, logits):
+        flat = logits.reshape(-1, logits.shape[-1]).astype(jnp.float32)
+        return row_stats(flat)[2].reshape(logits.shape[:-1])  # a row's sum whatever rows share the call
+
     def compiler_options(self, program: str, device) -> dict:
         return NO_YNNPACK  # no product is left for XLA's YNNPACK kernels
 
