@@ -301,6 +301,10 @@ def compile(
     prefill=None,
     json: bool = False,
     hlo_dir: str | None = None,
+    job: str | None = None,
+    price: float | None = None,
+    assume_output: int | None = None,
+    max_tokens: int | None = None,
 ):
     """Compile the engine for a target, without weights or the target's hardware, and say whether the model fits and
     how fast a decode step would run: memory per device, flops, HBM traffic, the compiler's cycle estimate and the
@@ -322,6 +326,12 @@ def compile(
       prefill: the prefills to compile, ROWSxTOKENS separated by commas (default: 1xCONTEXT-1,8x512).
       json: print the report as one JSON object.
       hlo_dir: also write each compiled program's optimized HLO into this folder.
+      job: a job file (as `jaxllama run` reads it): predict its wall time, tok/s, time to first token, slot
+        occupancy and chip-hours, the engine's scheduler running its lines on the clock of the compiled programs'
+        costs (estimated for a topology, measured on the local devices); each answer as long as its max_tokens.
+      price: dollars per chip-hour, for the job's cost.
+      assume_output: with --job, each answer at most this many tokens (a mean guess where max_tokens is a cap).
+      max_tokens: with --job, the max_tokens of lines that give none (default: as `jaxllama run`'s).
     """
     import json as json_module
 
@@ -336,12 +346,62 @@ def compile(
         )
     except LOAD_ERRORS as e:
         _fail(str(e))
-    print(json_module.dumps(report.to_json(), indent=1) if json else report.table())
+    prediction = None
+    if job is not None:
+        try:
+            prediction = _predict_job(
+                job, model, topology, mesh, dtype, quantize, options, price, assume_output, max_tokens
+            )
+        except LOAD_ERRORS as e:
+            _fail(str(e))
+    if json:
+        print(json_module.dumps(report.to_json() | ({"job": prediction} if prediction else {}), indent=1))
+    else:
+        print(report.table())
+        if prediction:
+            print("\n" + prediction.pop("table"))
     if hlo_dir is not None:
         log.info("wrote %d programs' HLO into %s", len(report.write_hlo(hlo_dir)), hlo_dir)
     if not report.fits:
         print("error: the model does not fit the target's devices (see the memory per device above)", file=sys.stderr)
         sys.exit(1)
+
+
+def _predict_job(job, model, topology, mesh, dtype, quantize, options, price, assume_output, max_tokens) -> dict:
+    """`compile --job`: the job's sizes read as `run` reads its lines (text through the checkpoint's tokenizer and chat
+    template; a shape's lines must give token ids), then its predicted run (`LLM.predict_job`), as JSON with its
+    table under "table"."""
+    from pathlib import Path
+
+    from jaxllama.batch.job_sizes import SizesOnly, TokenIdsOnly, job_sizes
+    from jaxllama.core.checkpoint import load_config
+    from jaxllama.core.shapes import known_shape
+    from jaxllama.default_model import resolve_model
+    from jaxllama.llm import LLM, _load_text
+    from jaxllama.text.prompts import PromptEncoder
+
+    if isinstance(model, str) and known_shape(model) is not None:
+        encoder = TokenIdsOnly()
+    else:
+        path = resolve_model(model)
+        tokenizer, template, _ = _load_text(Path(path), None, None, ())
+        encoder = SizesOnly(PromptEncoder(tokenizer, template, None, load_config(path).vocab_size))
+    defaults = SamplingParams() if max_tokens is None else SamplingParams(max_tokens=int(max_tokens))
+    sizes = job_sizes(Path(job), encoder, defaults, assume_output=assume_output)
+    for number, why in list(sizes.refused.items())[:5]:
+        log.warning("%s line %d refused: %s", job, number, why)
+    p = LLM.predict_job(
+        model,
+        sizes.requests,
+        topology=topology,
+        mesh=mesh,
+        dtype=dtype,
+        quantize=quantize,
+        price=price,
+        options=options,
+    )
+    out = p.to_json() | {"lines": sizes.lines, "refused_lines": len(sizes.refused)}
+    return out | {"table": f"{sizes.lines} lines, {len(sizes.refused)} refused by `run`\n" + p.table()}
 
 
 def _rows_by_tokens(text: str) -> tuple[int, int]:
@@ -493,6 +553,8 @@ METAVARS = {
     "topology": "v5e:2x4",
     "prefill": "8x512",
     "hlo_dir": "DIR",
+    "price": "USD",
+    "assume_output": "N",
 }
 
 

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxllama import backends
 from jaxllama.core import kv_groups
 from jaxllama.core.checkpoint import is_checkpoint, load_config
-from jaxllama.core.chips import skip_absent_tpu
+from jaxllama.core.chips import chip_of, skip_absent_tpu
 from jaxllama.core.config import STORAGE_DTYPES, ModelConfig
 from jaxllama.core.model import forward, sequence_logits
 from jaxllama.core.params import abstract_stored, activation_dtype_of, as_blocks, product_form
@@ -232,27 +232,36 @@ class LLM:
         fields also given as keywords: `max_slots`, `max_context`, `kv_cache_dtype`) size the engine. Returns an
         `aot.EngineReport`
         (`.table()`, `.to_json()`); raises ModelTooLarge, with the figures, where no mesh fits."""
-        from jaxllama.core.shapes import SHAPES, known_shape
-        from jaxllama.default_model import resolve_model
         from jaxllama.engine import aot
 
-        options = dataclasses.replace(options or EngineOptions(), **engine_options)
-        if isinstance(model, ModelConfig):
-            config = model
-        elif isinstance(model, str) and known_shape(model) is not None:
-            config = known_shape(model)
-        else:
-            if model is not None and not Path(model).exists():
-                raise ValueError(f"{model}: neither a checkpoint nor a known shape ({', '.join(SHAPES)})")
-            config = load_config(resolve_model(model))
-        if dtype is not None:
-            check_dtype(dtype)
-            config = config.with_dtype(jnp.dtype(dtype).name)
-        if quantize is not None and quantize != "int8":
-            config = aot.quantized(config, quantize)
-        devices, target = aot.target_devices(topology)
-        options = dataclasses.replace(options, quantize="int8" if quantize == "int8" else None)
+        config, devices, target, options = _target(model, topology, dtype, quantize, options, engine_options)
         return aot.compile_engine(config, devices, options, target=target, mesh=mesh, prefills=prefills)
+
+    @staticmethod
+    def predict_job(
+        model: str | Path | ModelConfig | None,
+        jobs: Sequence[tuple[list[int], int]],
+        *,
+        topology: str | None = None,
+        mesh: str | dict | None = None,
+        dtype=None,
+        quantize: str | None = None,
+        price: float | None = None,
+        options: EngineOptions | None = None,
+        **engine_options,
+    ):
+        """A job's time and cost on a target before it runs (`engine/job_clock.py`): `jobs` are its requests'
+        prompt token ids and output lengths, run by the engine's scheduler on the clock of its compiled programs'
+        costs, estimated for a TPU slice (`topology`) or measured on the local devices. The other arguments are
+        `compile_for`'s; `price`: dollars per chip-hour. Returns a `job_clock.JobPrediction`."""
+        from jaxllama.engine import aot, job_clock
+
+        config, devices, target, options = _target(model, topology, dtype, quantize, options, engine_options)
+        engine, where = aot.abstract_engine(config, devices, options, mesh)
+        chip = chip_of(where.mesh.devices.flat[0])
+        cost = job_clock.measured_cost() if topology is None else job_clock.estimated_cost(chip)
+        step_tokens = engine.options.step_tokens
+        return job_clock.predict(engine.runner, jobs, cost, step_tokens=step_tokens, chips=where.mesh.size, price=price)
 
     @property
     def name(self) -> str:
@@ -561,6 +570,32 @@ class LLM:
     def _new_id(self) -> str:
         self._next_id += 1
         return f"req-{self._next_id}"
+
+
+def _target(model, topology, dtype, quantize, options, engine_options):
+    """`compile_for`'s arguments resolved: the model's config (as restored), the target's devices and name, and the
+    engine's options."""
+    from jaxllama.core.shapes import SHAPES, known_shape
+    from jaxllama.default_model import resolve_model
+    from jaxllama.engine import aot
+
+    options = dataclasses.replace(options or EngineOptions(), **engine_options)
+    if isinstance(model, ModelConfig):
+        config = model
+    elif isinstance(model, str) and known_shape(model) is not None:
+        config = known_shape(model)
+    else:
+        if model is not None and not Path(model).exists():
+            raise ValueError(f"{model}: neither a checkpoint nor a known shape ({', '.join(SHAPES)})")
+        config = load_config(resolve_model(model))
+    if dtype is not None:
+        check_dtype(dtype)
+        config = config.with_dtype(jnp.dtype(dtype).name)
+    if quantize is not None and quantize != "int8":
+        config = aot.quantized(config, quantize)
+    devices, target = aot.target_devices(topology)
+    options = dataclasses.replace(options, quantize="int8" if quantize == "int8" else None)
+    return config, devices, target, options
 
 
 def _load_text(

@@ -285,14 +285,10 @@ def compile_engine(
     started = time.perf_counter()
     options = dataclasses.replace(options or EngineOptions(), **fields)
     options = dataclasses.replace(options, decode_steps=1)  # the report's decode step is one step, one call
-    cache_dtype = kvcache.dtype(options.kv_cache_dtype, activation_dtype_of(config))
-    where = memory.plan(config, devices, mesh, options, cache_dtype)
-    memory.check_plan(where)
+    engine, where = abstract_engine(config, devices, options, mesh)
     own = config  # the model's own KV heads: what no implementation can avoid reading
     config = where.config  # its KV heads repeated where the model axis asks (`core/kv_groups.py`)
-    params = as_blocks(abstract_stored(config, where.mesh), config)
-    options = dataclasses.replace(options, max_context=where.context)
-    engine = Engine(config, params, where.mesh, options, eos_ids=[0], abstract=True)
+    cache_dtype = kvcache.dtype(options.kv_cache_dtype, activation_dtype_of(own))
     runner, programs = engine.runner, engine.runner.programs
     phases: dict[str, list[Compiled]] = {}
 
@@ -329,7 +325,7 @@ def compile_engine(
     reports, by_program = [], {}
     for name, calls in phases.items():
         for compiled in dict.fromkeys(calls):
-            report = _program_report(compiled, name, calls.count(compiled))
+            report = program_report(compiled, name, calls.count(compiled))
             reports.append(report)
             by_program[(name, id(compiled))] = report
     temporaries = max(p.temp_bytes + p.code_bytes for p in reports)
@@ -374,6 +370,21 @@ def compile_engine(
     )
 
 
+def abstract_engine(
+    config: ModelConfig, devices: Sequence, options: EngineOptions, mesh: str | dict | None = None
+) -> tuple[Engine, memory.Plan]:
+    """An engine of `config` (as restored) with abstract weights on `devices` (a target's, which this host may be
+    unable to run), on the mesh and context the memory plan chooses, and that plan; ModelTooLarge before compiling
+    anything where no mesh fits. Its programs are compiled as it runs, never run."""
+    cache_dtype = kvcache.dtype(options.kv_cache_dtype, activation_dtype_of(config))
+    where = memory.plan(config, devices, mesh, options, cache_dtype)
+    memory.check_plan(where)
+    config = where.config  # its KV heads repeated where the model axis asks (`core/kv_groups.py`)
+    params = as_blocks(abstract_stored(config, where.mesh), config)
+    options = dataclasses.replace(options, max_context=where.context)
+    return Engine(config, params, where.mesh, options, eos_ids=[0], abstract=True), where
+
+
 def _runs_a_kernel(compiled: Compiled) -> bool:
     """Whether a compiled program calls a Pallas kernel (Mosaic's on a TPU, Triton's on a GPU)."""
     text = compiled.hlo_text or ""
@@ -388,7 +399,7 @@ def _previous_bucket(context: int) -> int:
     return size
 
 
-def _program_report(compiled: Compiled, phase: str, calls: int) -> ProgramReport:
+def program_report(compiled: Compiled, phase: str, calls: int) -> ProgramReport:
     executable = compiled.executable
     m = executable.memory_analysis()
     cost = executable.cost_analysis() or {}
@@ -445,4 +456,4 @@ def _phase(name, tokens, calls, by_program, ideal_s, chip) -> PhaseReport:
     )
 
 
-__all__ = ["EngineReport", "compile_engine", "quantized", "target_devices"]
+__all__ = ["EngineReport", "abstract_engine", "compile_engine", "program_report", "quantized", "target_devices"]

@@ -406,7 +406,7 @@ class ModelRunner:
             x, at = self._call("mixed_inputs", fn, (self._outer, self.state, *(inputs[k] for k in names)))
         else:
             fn = functools.partial(step.prefill_inputs, config=self.config)
-            args = (self._outer, inputs["packed_tokens"][:, None], inputs["packed_positions"])
+            args = (self._outer, _column(inputs["packed_tokens"]), inputs["packed_positions"])
             x, at = self._call("prefill_inputs", fn, args)
         return self._layers("prefill_packed", x, dataclasses.replace(at, rows=inputs["packed_slots"]))
 
@@ -571,6 +571,13 @@ def _pack(rows: Sequence[PrefillRow], a: dict, device: ModelRunner, columns: Seq
     for i, r in enumerate(copies):
         a["copy_from"][i], a["copy_to"][i], a["copy_lengths"][i] = r.source, r.slot, r.start
     return bool(copies)
+
+
+def _column(x):
+    """x [n] as [n, 1] (an abstract runner's ShapeDtypeStruct too: its shape, dtype and sharding)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((*x.shape, 1), x.dtype, sharding=x.sharding)
+    return x[:, None]
 
 
 def _padded_masks(masks: np.ndarray, out: np.ndarray) -> np.ndarray:

@@ -65,9 +65,15 @@ class Scheduler:
     """Generates for many requests at once on one model runner. Not thread-safe: one thread drives `step()`."""
 
     def __init__(
-        self, runner: ModelRunnerInterface, stats: EngineStats | None = None, step_tokens: int = buckets.STEP_TOKENS
+        self,
+        runner: ModelRunnerInterface,
+        stats: EngineStats | None = None,
+        step_tokens: int = buckets.STEP_TOKENS,
+        clock: Callable[[], float] = time.perf_counter,
     ):
-        self.runner, self.step_tokens = runner, step_tokens
+        """`clock`: seconds, for timings and statistics (a job's prediction runs on the clock of its programs' costs,
+        `engine/job_clock.py`)."""
+        self.runner, self.step_tokens, self.clock = runner, step_tokens, clock
         self.slots, self.max_context, self.eos_ids = runner.slots, runner.max_context, tuple(runner.eos_ids)
         self.stats = stats or EngineStats()
         self.queue: collections.deque[Request] = collections.deque()
@@ -173,7 +179,7 @@ class Scheduler:
                 s = self.active.pop(slot)
                 self._release(slot, s)
                 self._stopping.add(slot)
-                out.append(_final_update(s, [], [], reason, stop_reason))
+                out.append(_final_update(s, [], [], reason, stop_reason, self.clock()))
         self.ending.clear()
         return out
 
@@ -333,10 +339,10 @@ class Scheduler:
     def _prefill(self, rows: list[PrefillRow], sample: bool = True) -> list[Update]:
         """Compute the rows and start them decoding; without `sample`, only fill the caches (a shared prefix)."""
         self._make_room(self._positions(rows))
-        compiling, start = self.stats.compile_s, time.perf_counter()
+        compiling, start = self.stats.compile_s, self.clock()
         masks = self._masks([r.request.constraint for r in rows]) if sample else None
         out = self.runner.prefill(rows, sample, masks) if masks else self.runner.prefill(rows, sample)
-        now = time.perf_counter()
+        now = self.clock()
         self._count_prefill(rows, now - start - (self.stats.compile_s - compiling))
         return self._start(rows, out, start, now, sample)
 
@@ -349,9 +355,9 @@ class Scheduler:
         params = [s.request.params for s in self.active.values()]
         masks = self._masks([r.request.constraint for r in rows])
         decode_masks = self._column_masks(columns)
-        compiling, start = self.stats.compile_s, time.perf_counter()
+        compiling, start = self.stats.compile_s, self.clock()
         started, decoded = self.runner.prefill_and_decode(rows, columns, params, cancelled, masks, decode_masks)
-        now = time.perf_counter()
+        now = self.clock()
         # The call's time counts as prefill and decode by their shares of its tokens.
         seconds, prompt_tokens = now - start - (self.stats.compile_s - compiling), sum(len(r.tokens) for r in rows)
         prefill_share = prompt_tokens / (prompt_tokens + len(self.active))
@@ -415,7 +421,7 @@ class Scheduler:
         self._make_room(0)
         columns = self._decode_columns()
         cancelled, self._stopping = sorted(self._stopping), set()
-        compiling, start = self.stats.compile_s, time.perf_counter()
+        compiling, start = self.stats.compile_s, self.clock()
         params = [s.request.params for s in self.active.values()]
         # A constrained row needs its mask before each token: while one runs, calls advance one step.
         masks = self._column_masks(columns)
@@ -423,7 +429,7 @@ class Scheduler:
             out = self.runner.generate(columns, params, cancelled, masks)
         else:
             out = self.runner.generate(columns, params, cancelled)
-        return self._decoded(columns, out, time.perf_counter() - start - (self.stats.compile_s - compiling))
+        return self._decoded(columns, out, self.clock() - start - (self.stats.compile_s - compiling))
 
     def _decoded(self, columns: list[int], out: Sampled, seconds: float) -> list[Update]:
         """What a decode call of `columns` that took `seconds` sampled (`out`), as the running requests' updates."""
@@ -479,14 +485,14 @@ class Scheduler:
                 if reason is None:  # ended here, not by the device: the device is told to stop the row
                     self._stopping.add(slot)
                 if error is not None:
-                    return [_final_update(s, tokens, logprobs, "error", None, error=error, **extra)]
-                return [_final_update(s, tokens, logprobs, "stop", None, **extra)]
+                    return [_final_update(s, tokens, logprobs, "error", None, self.clock(), error=error, **extra)]
+                return [_final_update(s, tokens, logprobs, "stop", None, self.clock(), **extra)]
         if reason is None:
             return [Update(s.request.id, tokens, logprobs, **extra, **(_prompt_usage(s) if first else {}))]
         del self.active[slot]
         self._release(slot, s)
         stop_token = tokens[-1] if code == STOPPED else None
-        return [_final_update(s, tokens, logprobs, reason, stop_token, **extra)]
+        return [_final_update(s, tokens, logprobs, reason, stop_token, self.clock(), **extra)]
 
     def _decode_columns(self, every: bool = True) -> list[int]:
         """The slots a decode call runs: every slot, or, when few are active, just those (padded with the
@@ -505,12 +511,12 @@ class Scheduler:
         steps = self.runner.decode_steps
         lengths = {slot: s.length + s.generated + steps for slot, s in self.active.items()}
         lengths |= {slot: p.done for slot, p in self.partial.items()}
-        start = time.perf_counter()
+        start = self.clock()
         kept = self.runner.make_room(needed, lengths)
         if kept < self._kept:
             self.prefixes.truncate(kept)
         self._kept = kept
-        self.stats.decode_s += time.perf_counter() - start
+        self.stats.decode_s += self.clock() - start
 
     def _masks(self, constraints: list[TokenConstraint | None]) -> Callable[[], np.ndarray] | None:
         """The function that gives each row's token bitmask (its constraint's; every token where it has none), or
@@ -563,10 +569,9 @@ def _prompt_usage(s: _Slot) -> dict:
     return dict(prompt_tokens=len(s.request.prompt), cached_tokens=s.cached)
 
 
-def _final_update(s: _Slot, tokens, logprobs, reason: FinishReason, stop_reason, **extra) -> Update:
-    """A request's last update: its last tokens, why it ended, its usage and timings (`extra`: more `Update`
-    fields)."""
-    now = time.perf_counter()
+def _final_update(s: _Slot, tokens, logprobs, reason: FinishReason, stop_reason, now: float, **extra) -> Update:
+    """A request's last update at `now`: its last tokens, why it ended, its usage and timings (`extra`: more
+    `Update` fields)."""
     r = s.request
     decode_s = now - s.first_token if s.first_token else 0.0
     timings = Timings(

@@ -66,6 +66,11 @@ class CpuOps(Ops):
             packed = jax.tree.map(to_blocks, packed, is_leaf=lambda w: isinstance(w, matmul.Packed))
         return packed
 
+    def prepare_abstract(self, params, config) -> dict:
+        """What `prepare` makes of abstract params: the packing traced for its shapes alone, so that programs
+        compiled without weights (`engine/aot.py`, a job's prediction) read the panels the kernels read."""
+        return jax.eval_shape(lambda p: self.prepare(p, config), params)
+
     def weight_bytes(self, config, dtype) -> int:
         """The bytes of a model's weights once prepared: every product's weight packed (`PACKED_BYTES`; a tied
         embedding also as the output's), the rest (the embedding, for its lookups, and the norms) as stored. A

@@ -1,0 +1,286 @@
+"""A whole job's time before it runs: the engine's own scheduler admits, chunks, batches and decodes the job's
+requests on an abstract model runner (`ModelRunner(abstract=True)`), whose every call compiles the programs the engine
+would run, each shape once, and advances a clock by what they cost (`ClockedRunner`). Nothing is sampled: each request
+generates its output length (its max_tokens, or an assumed mean), as a request that ignores end-of-generation
+tokens does, so that the clock says how long the job's prompt and output sizes take on the target.
+
+What a program costs is the caller's to say (`cost`): on a target that cannot run it (a TPU slice described on this
+host), the compiler's estimates (`estimated_cost`); on the local devices, its measured time (`measured_cost`), so that
+a prediction can be checked against a real run of the same job.
+
+What it leaves out: the host's work between calls (tokenizing, detokenizing, stop strings, grammars), the time a
+request waits to arrive (the whole job is queued at once), a stop string or end-of-generation token that ends an
+answer before its max_tokens, and, with estimated costs, whatever the compiler's estimates leave out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from jaxllama.engine import aot
+from jaxllama.engine.interface import LENGTH, RUNNING, PrefillRow, Sampled
+from jaxllama.engine.model_runner import ModelRunner
+from jaxllama.engine.programs import Compiled
+from jaxllama.engine.request import Request, SamplingParams
+from jaxllama.engine.scheduler import Scheduler
+from jaxllama.engine.stats import EngineStats
+from jaxllama.errors import RequestError
+
+# What a collective costs besides its bytes over the chips' links: a few microseconds to synchronize (an all-reduce of
+# a few KB over a v5e slice's ICI takes ~10-20 us in published profiles of jax-llm-examples' decode step); stated
+# here as the assumption it is.
+COLLECTIVE_LATENCY_S = 10e-6
+# Bytes a second a chip moves to its neighbours over ICI, all links together (Google Cloud's TPU pages: v5e 1,600
+# Gbit/s, v6e 3,584 Gbit/s, v5p 4,800 Gbit/s, v4 2,400 Gbit/s).
+ICI_BANDWIDTH = {"TPU v5e": 200e9, "TPU v6e": 448e9, "TPU v5p": 600e9, "TPU v4": 300e9}
+
+
+class ClockedRunner:
+    """`interface.ModelRunnerInterface` over an abstract `ModelRunner`: each call compiles what the runner would run
+    and advances `now` by the cost of the programs it called; the tokens it gives are made up, each slot's request
+    running to `outputs[request id]` tokens (at most what its context holds) and then finishing by length."""
+
+    def __init__(self, runner: ModelRunner, cost: Callable[[Compiled], float], outputs: dict):
+        if not runner.abstract:
+            raise ValueError("a clocked runner runs over an abstract model runner")
+        self.runner, self.cost, self.outputs = runner, cost, outputs
+        for name in ("slots", "max_context", "decode_steps", "vocab_size", "eos_ids", "max_stop_ids", "row_multiple"):
+            setattr(self, name, getattr(runner, name))
+        for name in ("reuse_multiple", "packs_prompts", "joins_decode"):
+            setattr(self, name, getattr(runner, name))
+        self.token = next(t for t in range(self.vocab_size) if t not in self.eos_ids)  # what every row "samples"
+        self.now = 0.0
+        self._left: dict[int, int] = {}  # slot -> tokens its request has still to generate
+
+    def clock(self) -> float:
+        return self.now
+
+    def _timed(self, call) -> None:
+        """Run `call` on the abstract runner; advance the clock by the programs it called."""
+        first = len(self.runner.programs.calls)
+        call()
+        self.now += sum(self.cost(c) for c in self.runner.programs.calls[first:])
+
+    def make_room(self, needed: int, lengths: dict[int, int]) -> int:
+        kept = []
+        self._timed(lambda: kept.append(self.runner.make_room(needed, lengths)))
+        return kept[0]
+
+    def prefill(self, rows: Sequence[PrefillRow], sample: bool = True, masks=None) -> Sampled | None:
+        self._timed(lambda: self.runner.prefill(rows, sample))
+        return self._started(rows) if sample else None
+
+    def generate(self, columns: Sequence[int], params, cancelled: Sequence[int] = (), masks=None) -> Sampled:
+        self._timed(lambda: self.runner.generate(columns, params, cancelled))
+        return self._decoded(columns, cancelled, self.decode_steps)
+
+    def prefill_and_decode(self, rows, columns, params, cancelled=(), masks=None, decode_masks=None):
+        self._timed(lambda: self.runner.prefill_and_decode(rows, columns, params, cancelled))
+        return self._started(rows), self._decoded(columns, cancelled, 1)
+
+    def _started(self, rows: Sequence[PrefillRow]) -> Sampled:
+        """The first token of each final row: its slot then runs its request's output length."""
+        finish = np.full((1, len(rows)), RUNNING, np.int32)
+        for i, r in enumerate(rows):
+            if r.final:
+                room = self.max_context - len(r.request.prompt)
+                self._left[r.slot] = min(self.outputs[r.request.id], room) - 1
+                if self._left[r.slot] <= 0:
+                    finish[0, i] = LENGTH
+                    del self._left[r.slot]
+        return self._sampled(finish, np.ones_like(finish, bool))
+
+    def _decoded(self, columns: Sequence[int], cancelled: Sequence[int], steps: int) -> Sampled:
+        for slot in cancelled:
+            self._left.pop(slot, None)
+        finish = np.full((steps, len(columns)), RUNNING, np.int32)
+        emitted = np.zeros((steps, len(columns)), bool)
+        for j, slot in enumerate(columns):
+            for step in range(steps):
+                if slot not in self._left:
+                    break
+                emitted[step, j] = True
+                self._left[slot] -= 1
+                if self._left[slot] <= 0:
+                    finish[step, j] = LENGTH
+                    del self._left[slot]
+        return self._sampled(finish, emitted)
+
+    def _sampled(self, finish: np.ndarray, emitted: np.ndarray) -> Sampled:
+        return Sampled(np.full(finish.shape, self.token, np.int32), np.zeros(finish.shape, np.float32), emitted, finish)
+
+
+@dataclasses.dataclass
+class JobPrediction:
+    """A job's predicted run: its wall time on the clock, tokens, rates, time to first token and slot occupancy, and
+    with a price per chip-hour what the chips cost for it."""
+
+    requests: int  # run (each of a line's n samples is one)
+    refused: dict  # request index -> why the engine refuses it (a prompt past the context)
+    prompt_tokens: int
+    output_tokens: int
+    wall_s: float
+    ttft_p50_s: float
+    ttft_p95_s: float
+    occupancy: float  # decoding slots over all slots, over the decode steps
+    chips: int
+    price_per_chip_hour: float | None
+    programs: int  # programs compiled to predict it
+    compile_s: float  # the host's seconds compiling them (not on the clock)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def chip_hours(self) -> float:
+        return self.chips * self.wall_s / 3600
+
+    @property
+    def cost_usd(self) -> float | None:
+        return None if self.price_per_chip_hour is None else self.chip_hours * self.price_per_chip_hour
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {
+            "output_tok_s": self.output_tok_s,
+            "total_tok_s": self.total_tok_s,
+            "chip_hours": self.chip_hours,
+            "cost_usd": self.cost_usd,
+        }
+
+    def table(self) -> str:
+        cost = f", ${self.cost_usd:,.2f} at ${self.price_per_chip_hour}/chip-hour" if self.cost_usd is not None else ""
+        return "\n".join(
+            [
+                f"job: {self.requests} requests, {self.prompt_tokens:,} prompt + {self.output_tokens:,} output tokens"
+                + (f" ({len(self.refused)} refused: {next(iter(self.refused.values()))})" if self.refused else ""),
+                f"predicted wall time {self.wall_s:,.1f} s: {self.output_tok_s:,.1f} output tok/s, "
+                f"{self.total_tok_s:,.1f} total tok/s",
+                f"time to first token p50 {self.ttft_p50_s:.2f} s, p95 {self.ttft_p95_s:.2f} s; "
+                f"slot occupancy {self.occupancy:.0%}",
+                f"{self.chip_hours:.3f} chip-hours on {self.chips} chips{cost}",
+                f"({self.programs} programs compiled in {self.compile_s:.0f} s to predict it)",
+            ]
+        )
+
+
+def predict(
+    runner: ModelRunner,
+    jobs: Sequence[tuple[list[int], int]],
+    cost: Callable[[Compiled], float],
+    *,
+    step_tokens: int,
+    chips: int,
+    price: float | None = None,
+) -> JobPrediction:
+    """The job of `jobs` (each request's prompt token ids and output length), queued at once, run by the engine's
+    scheduler on `runner` (abstract), on the clock of `cost`."""
+    outputs = {i: n for i, (_, n) in enumerate(jobs)}
+    clocked = ClockedRunner(runner, cost, outputs)
+    stats = EngineStats()
+    scheduler = Scheduler(clocked, stats, step_tokens, clock=clocked.clock)
+    refused = {}
+    for i, (prompt, n) in enumerate(jobs):
+        params = SamplingParams(max_tokens=max(1, n), temperature=0.0, ignore_eos=True)
+        # longest first, as `jaxllama run` queues a job's lines
+        request = Request(i, list(prompt), params, submitted=0.0, priority=params.max_tokens)
+        try:
+            scheduler.check(request)  # a prompt past the context, as `jaxllama run` refuses its line
+        except RequestError as e:
+            refused[i] = str(e)
+            continue
+        scheduler.add(request)
+    started = time.perf_counter()
+    compiled_before = len({id(c) for c in runner.programs.calls})
+    ttft, outputs_done = [], 0
+    while scheduler.has_work():
+        for update in scheduler.step():
+            if update.finish_reason is not None:
+                ttft.append(update.timings.ttft_ms / 1e3)
+                outputs_done += update.completion_tokens
+    slots = stats.decode_steps * runner.slots
+    return JobPrediction(
+        requests=len(jobs) - len(refused),
+        refused=refused,
+        prompt_tokens=sum(len(p) for i, (p, _) in enumerate(jobs) if i not in refused),
+        output_tokens=outputs_done,
+        wall_s=clocked.now,
+        ttft_p50_s=_quantile(ttft, 0.5),
+        ttft_p95_s=_quantile(ttft, 0.95),
+        occupancy=stats.slot_steps / slots if slots else 0.0,
+        chips=chips,
+        price_per_chip_hour=price,
+        programs=len({id(c) for c in runner.programs.calls}) - compiled_before,
+        compile_s=time.perf_counter() - started,
+    )
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def estimated_cost(chip) -> Callable[[Compiled], float]:
+    """A program's seconds on `chip` by the compiler's estimates (`aot.py`): the longer of its HBM traffic over the
+    chip's bandwidth and its cycle estimate over the chip's clock (the cost model's where the HLO cannot be read),
+    plus its collectives: their bytes over the chip's ICI bandwidth and COLLECTIVE_LATENCY_S each."""
+    known: dict[int, float] = {}
+
+    def cost(compiled: Compiled) -> float:
+        if id(compiled) not in known:
+            report = aot.program_report(compiled, "job", 1)
+            estimates = []
+            if report.hbm_bytes is not None:
+                estimates.append(report.hbm_bytes / chip.hbm_bandwidth)
+            if report.cycles:
+                estimates.append(report.cycles / chip.clock_hz)
+            seconds = max(estimates) if estimates else max(report.cost_model_s, 0.0)
+            ici = ICI_BANDWIDTH.get(chip.name)
+            for collective in report.collectives.values():
+                seconds += collective["count"] * COLLECTIVE_LATENCY_S
+                seconds += collective["bytes"] / ici if ici else 0.0
+            known[id(compiled)] = seconds
+        return known[id(compiled)]
+
+    return cost
+
+
+def measured_cost(repeats: int = 3) -> Callable[[Compiled], float]:
+    """A program's seconds on the local devices, measured: run on zeros of its arguments' shapes, once to warm up and
+    then `repeats` times, the median. What depends on the values is left out: attention reads the positions a slot
+    holds, and zeros hold none (the decode state's positions are zero), so long sequences' attention is undercounted."""
+    import jax
+    import jax.numpy as jnp
+
+    known: dict[int, float] = {}
+
+    def zeros(info, sharding):
+        return jax.device_put(jnp.zeros(info.shape, info.dtype), sharding)
+
+    def cost(compiled: Compiled) -> float:
+        if id(compiled) not in known:
+            executable = compiled.executable
+            shardings = executable.input_shardings[0]
+            infos = executable.args_info[0]
+            times = []
+            for _ in range(repeats + 1):
+                args = jax.tree.map(zeros, infos, shardings)
+                start = time.perf_counter()
+                jax.block_until_ready(executable(*args))
+                times.append(time.perf_counter() - start)
+            known[id(compiled)] = statistics.median(times[1:])
+        return known[id(compiled)]
+
+    return cost
