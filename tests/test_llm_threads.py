@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-import time
 
 import pytest
 
 from jaxllama import LLM
+from tests.helpers.peak import peak_of
 from tests.helpers.server import CHAT, CONTEXT, PROMPT, SLOTS
 
 PROMPTS = [PROMPT, "once upon a time there was a llama", "the quick brown fox jumps over", "one two three four"]
@@ -38,24 +38,11 @@ def test_four_threads_generating_at_once_get_their_answers_alone(llm):
     """Greedy answers equal the ones each call gets alone; and the calls' requests share the engine's steps."""
     alone = [llm.generate(p, max_tokens=12, temperature=0).token_ids for p in PROMPTS]
     assert len({tuple(a) for a in alone}) > 1  # different answers: the comparison means something
-    most_running, done = 0, threading.Event()
-
-    def watch():
-        nonlocal most_running
-        while not done.is_set():
-            most_running = max(most_running, llm.engine.running)
-            time.sleep(0.001)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
+    with peak_of(lambda: llm.engine.running) as most_running:
         for _ in range(3):
             answers = _at_once([lambda p=p: llm.generate(p, max_tokens=12, temperature=0) for p in PROMPTS])
             assert [a.token_ids for a in answers] == alone
-    finally:
-        done.set()
-        watcher.join()
-    assert most_running > 1
+    assert most_running[0] > 1
 
 
 def test_streams_chats_and_scores_from_threads_at_once(llm):

@@ -5,7 +5,6 @@ job's requests on an abstract runner, on the clock of its programs' costs; every
 from __future__ import annotations
 
 import json
-import logging
 
 import jax
 import pytest
@@ -15,17 +14,9 @@ from jaxllama.core.config import ModelConfig
 from jaxllama.engine import aot, job_clock
 from jaxllama.engine.options import EngineOptions
 from jaxllama.llm import LLM
-from tests.engine.test_aot import TINY, needs_libtpu
+from tests.engine.test_aot import TINY, jaxllama_logger_kept, needs_libtpu  # noqa: F401 (autouse: the log put back)
 
 FLOAT32 = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=512)
-
-
-@pytest.fixture(autouse=True)
-def jaxllama_logger_kept():
-    logger = logging.getLogger("jaxllama")
-    kept = logger.level, logger.propagate, list(logger.handlers)
-    yield
-    logger.level, logger.propagate, logger.handlers[:] = kept
 
 
 def local_engine(**options):
