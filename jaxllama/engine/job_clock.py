@@ -20,6 +20,8 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxllama.engine import aot
@@ -261,8 +263,6 @@ def measured_cost(repeats: int = 3) -> Callable[[Compiled], float]:
     """A program's seconds on the local devices, measured: run on zeros of its arguments' shapes, once to warm up and
     then `repeats` times, the median. What depends on the values is left out: attention reads the positions a slot
     holds, and zeros hold none (the decode state's positions are zero), so long sequences' attention is undercounted."""
-    import jax
-    import jax.numpy as jnp
 
     known: dict[int, float] = {}
 
