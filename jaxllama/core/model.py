@@ -76,10 +76,40 @@ class Placement:
         return Placement(positions, rope_angles(positions, config), rows, pages, fresh)
 
 
-def attention(p, c: ModelConfig, x, at: Placement, cache_k, cache_v, ops: Ops = XLA):
-    """x [b, t, dim] placed as `at` says; cache_k and cache_v n rows of s positions, laid out as `ops.cache_layout`
-    says (or pools of pages, with `at.pages`) -> (out, cache_k, cache_v)."""
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["prompt", "decode"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Mixed:
+    """Where a mixed step's tokens sit: prompt rows and decode rows run as one batch of tokens x [1, n + s, dim], the
+    prompt rows' n = r x t tokens first (placed [r, t] as `prompt` says), then the s decode rows' (placed [s, 1] as
+    `decode` says). Every product reads its weights once for both parts; each part writes and attends to the cache
+    as its own call would (their rows are other slots, so neither reads what the other writes). On an accelerator
+    a decode step reads the weights from memory anyway, and a prompt chunk's products ride on those reads."""
+
+    prompt: Placement
+    decode: Placement
+
+
+def attention(p, c: ModelConfig, x, at: Placement | Mixed, cache_k, cache_v, ops: Ops = XLA):
+    """x [b, t, dim] placed as `at` says (or a mixed step's x [1, n + s, dim]); cache_k and cache_v n rows of s
+    positions, laid out as `ops.cache_layout` says (or pools of pages, with `at.pages`) -> (out, cache_k, cache_v)."""
     q, k, v = ops.project(x, p, QKV)
+    if isinstance(at, Mixed):
+        n, outs = at.prompt.positions.size, []
+        for part, span in ((at.prompt, slice(0, n)), (at.decode, slice(n, None))):
+            q_, k_, v_ = (a[0, span].reshape(*part.positions.shape, *a.shape[2:]) for a in (q, k, v))
+            out, cache_k, cache_v = _attend(c, q_, k_, v_, part, cache_k, cache_v, ops)
+            outs.append(out.reshape(1, -1, *out.shape[2:]))
+        out = jnp.concatenate(outs, axis=1)
+    else:
+        out, cache_k, cache_v = _attend(c, q, k, v, at, cache_k, cache_v, ops)
+    out = out.reshape(*out.shape[:2], c.n_heads, c.head_dim)  # [b, t, heads, head_dim]
+    return ops.linear(out, p["wo"], in_dims=2, row_parallel=True), cache_k, cache_v
+
+
+def _attend(c: ModelConfig, q, k, v, at: Placement, cache_k, cache_v, ops: Ops):
+    """One call's attention: q [b, t, heads, hd], k and v [b, t, kv, hd] as projected, rotated here, written into
+    the cache at their positions, then every query against the cache up to its own position -> (out [b, t, kv, g,
+    hd], cache_k, cache_v)."""
     positions = at.positions
     q, k = apply_rope(q, at.rope, ops.rope_halves), apply_rope(k, at.rope, ops.rope_halves)
     q = q.reshape(*q.shape[:2], c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim)  # [b, t, kv, g, hd]
@@ -93,14 +123,13 @@ def attention(p, c: ModelConfig, x, at: Placement, cache_k, cache_v, ops: Ops = 
         if out is None:
             out = ops.paged_attention(q, cache_k, cache_v, positions, pages)
     else:
-        rows = (jnp.arange(x.shape[0]) if at.rows is None else at.rows)[:, None]
+        rows = (jnp.arange(q.shape[0]) if at.rows is None else at.rows)[:, None]
         index = (rows, slice(None), positions)  # keys transposed: [rows, kv, head_dim, positions]
         keys_index = (rows, slice(None), slice(None), positions) if ops.cache_layout.transposed_keys else index
         cache_k, cache_v = int8_kv.write(cache_k, keys_index, k), int8_kv.write(cache_v, index, v)
         if out is None:
             out = ops.attention(q, cache_k, cache_v, positions, at.rows)
-    out = out.reshape(*out.shape[:2], c.n_heads, c.head_dim)  # [b, t, heads, head_dim]
-    return ops.linear(out, p["wo"], in_dims=2, row_parallel=True), cache_k, cache_v
+    return out, cache_k, cache_v
 
 
 def mlp(p, x, ops: Ops = XLA):
@@ -109,7 +138,7 @@ def mlp(p, x, ops: Ops = XLA):
 
 
 @functools.partial(jax.jit, static_argnums=(1, 6))
-def block(p, c: ModelConfig, x, at: Placement, cache_k, cache_v, ops: Ops = XLA):
+def block(p, c: ModelConfig, x, at: Placement | Mixed, cache_k, cache_v, ops: Ops = XLA):
     """One decoder layer. Jitted on its own so that tracing a model traces one layer, not n_layers of
     them (the outer jit inlines it: the compiled program is the same)."""
     normed = rms_norm(p["attention_norm"], x, c.norm_eps)

@@ -22,8 +22,8 @@ RUNNING, STOPPED, LENGTH = range(len(FINISH))
 class PrefillRow:
     """One prompt to compute: `tokens` (the prompt past a reused prefix) at positions from `start`, over the first
     `start` positions of slot `source`'s cache, into decode slot `slot` (source == slot: computed from its start).
-    Not `final`: the tokens are a chunk of the prompt, whose rest a later call computes (`packs_prompts` only); the
-    slot does not start decoding."""
+    Not `final`: the tokens are a chunk of the prompt, whose rest a later call computes (where the runner
+    `joins_decode`); the slot does not start decoding."""
 
     request: Request
     tokens: list[int]
@@ -85,6 +85,7 @@ class ModelRunnerInterface(Protocol):
     reuse_multiple: int  # a prompt reuses another slot's prefix in multiples of this many positions
     packs_prompts: bool  # a prefill's prompts of any lengths run as one batch of their tokens, none padded
     joins_decode: bool  # `prefill_and_decode` runs a prefill and a decode step as one call
+    chunk_multiple: int  # a prompt computed in chunks ends each chunk but its last at a multiple of this position
 
     def make_room(self, needed: int, lengths: dict[int, int]) -> int:
         """Make the KV cache hold a prefill's rows' `needed` positions and each slot's first `lengths[slot]`;

@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllama.core.config import ModelConfig
-from jaxllama.core.model import Placement, layer_params
+from jaxllama.core.model import Mixed, Placement, layer_params
 from jaxllama.core.ops import Ops
 from jaxllama.core.sharding import named_sharding, tokens_spec
 from jaxllama.engine import buckets, kvcache, step
@@ -156,9 +156,16 @@ class ModelRunner:
 
     @property
     def joins_decode(self) -> bool:
-        """Whether `prefill_and_decode` may run a prefill and a decode step as one call: a packed prefill's batch
-        takes a decode step's rows as they are, where a call decodes one token."""
-        return self.packs_prompts and self.decode_steps == 1
+        """Whether `prefill_and_decode` may run a prefill and a decode step as one call, where a call decodes one
+        token: a packed prefill's batch takes a decode step's rows as they are, and over a paged cache a mixed step
+        runs the prompt rows and the decode rows as one batch of tokens (`model.Mixed`)."""
+        return (self.packs_prompts or self.pages is not None) and self.decode_steps == 1
+
+    @property
+    def chunk_multiple(self) -> int:
+        """A prompt computed in chunks ends each chunk but its last at a multiple of this many positions: a paged
+        cache's prompt rows write whole pages from a page boundary (`paged_kv.write`)."""
+        return self.pages.page_size if self.pages and not self.packs_prompts else 1
 
     @property
     def reuse_multiple(self) -> int:
@@ -236,7 +243,9 @@ class ModelRunner:
         advance and the rows start decoding. The columns are slots already running, none of the rows'. Both masks
         are asked for while the device runs the layers. -> (the prefill's `Sampled`, the decode step's)."""
         if not self.joins_decode:
-            raise ValueError("a prefill and a decode step run as one call only where prompts are packed, 1 step a call")
+            raise ValueError("a prefill joins a decode step only with packed prompts or a paged cache, 1 step a call")
+        if not self.packs_prompts:
+            return self._mixed_step(rows, columns, params, cancelled, masks, decode_masks)
         batch = _PrefillBatch.of(rows, self, masked=masks is not None, columns=columns)
         inputs = self._put(batch.arrays)
         x = self._packed_layers(inputs, batch.copies, decoding=True)
@@ -251,6 +260,47 @@ class ModelRunner:
         if self.abstract:
             return None
         return started, self._sampled([decoded], flags)
+
+    def _mixed_step(self, rows, columns, params, cancelled, masks, decode_masks) -> tuple[Sampled, Sampled]:
+        """`prefill_and_decode` over a paged cache: the prompt rows (padded to their bucket, [r, t]) and the next token
+        of each slot of `columns` as one batch of tokens through the layers (`model.Mixed`: the products read the
+        weights once for both), then each part's outputs as its own call gives them."""
+        batch = _PrefillBatch.of(rows, self, masked=masks is not None)
+        inputs = self._put(batch.arrays)
+        flags = dataclasses.replace(SamplerFlags.of(params), mask=decode_masks is not None)
+        keep = np.ones(self.slots, bool)
+        keep[list(cancelled)] = False
+        prompt_pages = self._put(self._prompt_table(rows, batch))
+        decode_slots, keep = self._put((np.asarray(columns, np.int32), keep))
+        decode_pages = self._put(self._decode_table(columns))
+        fn = functools.partial(step.mixed_step_inputs, config=self.config)
+        args = (self._outer, self.state, inputs["tokens"], inputs["starts"], decode_slots)
+        r, t = batch.arrays["tokens"].shape
+        x, at = self._call("mixed_inputs", fn, args, out=(self._tokens((1, r * t + len(columns))), self._activations))
+        prompt = dataclasses.replace(at.prompt, pages=prompt_pages, fresh=batch.fresh)
+        x = self._layers("mixed_layers", x, Mixed(prompt, dataclasses.replace(at.decode, pages=decode_pages)))
+        parts = functools.partial(step.mixed_step_parts, rows=r, tokens=t)
+        x_prompt, x_decode = self._call("mixed_parts", parts, (x,), out=(self._tokens((r, t)), self._activations))
+        prompt_logprobs = self._prompt_logprobs(x_prompt, rows, batch, inputs) if batch.prompt_logprobs else None
+        mask = self._column_masks(decode_masks, columns)
+        decoded = self._decode_outputs(flags, keep, x_decode, decode_slots, mask)
+        started = self._start(rows, batch, inputs, x_prompt, prompt_logprobs, masks)
+        if self.abstract:
+            return None
+        return started, self._sampled([decoded], flags)
+
+    def _prompt_table(self, rows: Sequence[PrefillRow], batch: _PrefillBatch) -> np.ndarray:
+        """Give a prefill's rows their pages (a reused prefix's shared) -> their page tables, as many pages as the
+        batch's span: each row's slot's, a chunk's too (it lands in no decode slot, but its keys in its slot's pages);
+        a padding row's none."""
+        self.pages.assign([(r.slot, r.source, r.start, r.start + len(r.tokens)) for r in rows])
+        cache_rows = [r.slot for r in rows] + [self.slots] * (len(batch.arrays["slots"]) - len(rows))
+        return self.pages.table(cache_rows, self.pages.pages_for(batch.span))
+
+    def _decode_table(self, columns: Sequence[int]) -> np.ndarray:
+        """The page tables of a decode step's columns: as many pages as the longest sequence's bucket of positions."""
+        longest = max((self.pages.positions(c) for c in columns if c < self.slots), default=1)
+        return self.pages.table(columns, self.pages.pages_for(buckets.bucket(longest, self.max_context)))
 
     def _start(self, rows: Sequence[PrefillRow], batch: _PrefillBatch, inputs, x, prompt, masks=None) -> Sampled:
         """Put a prefill's rows in their decode slots, from its last layer's output x, and sample their first tokens
@@ -279,9 +329,7 @@ class ModelRunner:
         x, at = self._call("prefill_inputs", fn, (self._outer, inputs["tokens"], inputs["starts"]), out=out)
         at = dataclasses.replace(at, fresh=batch.fresh)
         if self.pages:
-            self.pages.assign([(r.slot, r.source, r.start, r.start + len(r.tokens)) for r in rows])
-            slots = batch.arrays["slots"]
-            table = self._put(self.pages.table(slots, self.pages.pages_for(batch.span)))
+            table = self._put(self._prompt_table(rows, batch))
             return self._layers("prefill_layers", x, dataclasses.replace(at, pages=table))
         return self._prefill_layers(x, at, inputs["sources"], inputs["slots"], batch.span)
 
@@ -302,10 +350,8 @@ class ModelRunner:
         keep[list(cancelled)] = False
         every = len(columns) == self.slots
         slots, keep, kept = self._put((None if every else np.array(columns, np.int32), keep, np.ones(self.slots, bool)))
-        if self.pages:  # each column's pages, as many as the longest sequence's bucket of positions
-            longest = max(self.pages.positions(c) for c in columns if c < self.slots)
-            width = self.pages.pages_for(buckets.bucket(longest, self.max_context))
-            table = self._put(self.pages.table(columns, width))
+        if self.pages:
+            table = self._put(self._decode_table(columns))
         inputs_fn = functools.partial(step.decode_inputs, config=self.config)
         steps = []
         for _ in range(1 if masks else self.decode_steps):  # no host round trip between steps
@@ -504,8 +550,8 @@ class _PrefillBatch:
             stop_ids=np.full((n, MAX_STOP_IDS), -1, np.int32),
         )
         params, seeds = [], []
-        if not device.packs_prompts and not all(r.final for r in rows):
-            raise ValueError("a prompt is computed in chunks only where prompts are packed")
+        if not device.joins_decode and not all(r.final for r in rows):
+            raise ValueError("a prompt is computed in chunks only where a prefill joins a decode step")
         for i, r in enumerate(rows):
             a["lengths"][i], a["starts"][i], a["sources"][i] = len(r.tokens), r.start, r.source
             a["slots"][i] = r.slot if r.final else device.slots  # a chunk's row lands in no decode slot

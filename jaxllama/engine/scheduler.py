@@ -219,13 +219,25 @@ class Scheduler:
             if row is not None:
                 planned.append((row, len(row.tokens)))
                 left = None if left is None else left - len(row.tokens)
+        multiple = self.runner.chunk_multiple
         for k, r in enumerate(take):
-            n = len(r.prompt) - self.prefixes.best(r.prompt, logprobs=_wants_prompt_logprobs(r))[1]
-            if left is not None and n > left and left < MIN_CHUNK:
-                self.queue.extendleft(reversed(take[k:]))
-                break
-            planned.append(((r, left), n if left is None else min(n, left)))
-            left = None if left is None else left - min(n, left)
+            start = self.prefixes.best(r.prompt, logprobs=_wants_prompt_logprobs(r))[1]
+            n = len(r.prompt) - start
+            if left is not None and n > left:
+                # A chunk of whole `multiple`s: a prompt whose log-probabilities are wanted computes its chunks' last
+                # tokens again, off that grid, so there it is computed whole: in a step of its own where it must be.
+                room = left if multiple == 1 else (start + left) // multiple * multiple - start
+                whole = multiple > 1 and _wants_prompt_logprobs(r)
+                if (whole and planned) or (not whole and room < max(MIN_CHUNK, multiple)):
+                    self.queue.extendleft(reversed(take[k:]))
+                    break
+                if whole:
+                    planned.append(((r, None), n))
+                    left = 0
+                    continue
+                n = room
+            planned.append(((r, left), n))
+            left = None if left is None else left - n
         return planned
 
     def _calls(self, planned: list[_Planned]) -> list[list]:
@@ -255,6 +267,8 @@ class Scheduler:
             source, start, slot = self._place(r.prompt, _wants_prompt_logprobs(r), free, call)
             free.remove(slot)
             end = len(r.prompt) if limit is None else min(len(r.prompt), start + limit)
+            if end < len(r.prompt):
+                end -= end % self.runner.chunk_multiple
             rows.append(PrefillRow(r, r.prompt[start:end], start, source, slot, final=end == len(r.prompt)))
         return rows
 
@@ -265,6 +279,8 @@ class Scheduler:
         p = self.partial[slot]
         prompt, start = p.request.prompt, p.done - _wants_prompt_logprobs(p.request)
         end = len(prompt) if left is None else min(len(prompt), start + left)
+        if end < len(prompt):
+            end -= end % self.runner.chunk_multiple
         if end <= p.done:
             return None
         return PrefillRow(p.request, prompt[start:end], start, slot, slot, final=end == len(prompt))

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllama.core.config import ModelConfig
-from jaxllama.core.model import KVCache, Placement, embed, head, layers
+from jaxllama.core.model import KVCache, Mixed, Placement, embed, head, layers
 from jaxllama.core.ops import XLA, Ops
 from jaxllama.engine import buckets
 from jaxllama.engine.interface import LENGTH, RUNNING, STOPPED
@@ -161,6 +161,23 @@ def mixed_inputs(params, state: DecodeState, tokens, positions, slots, at, *, co
     tokens = tokens.at[at].set(jnp.take(state.tokens, slots, mode="clip"), mode="drop")
     positions = positions.at[at].set(jnp.take(state.positions, slots, mode="clip"), mode="drop")
     return prefill_inputs(params, tokens[:, None], positions, config=config)
+
+
+def mixed_step_inputs(params, state: DecodeState, tokens, starts, slots, *, config: ModelConfig):
+    """A mixed step's inputs (`model.Mixed`): prompt rows tokens [r, t] (row i from position starts[i]) and the next
+    token of each decode slot of `slots` [s] (an index >= s pads), embedded as one batch [1, r * t + s, dim], with
+    the two parts' placements."""
+    x_prompt, prompt = prefill_inputs(params, tokens, starts, config=config)
+    x_decode, decode = decode_inputs(params, state, slots, config=config)
+    flat = lambda x: x.reshape(1, -1, x.shape[-1])
+    return jnp.concatenate([flat(x_prompt), flat(x_decode)], axis=1), Mixed(prompt, decode)
+
+
+def mixed_step_parts(x, *, rows: int, tokens: int):
+    """A mixed step's last layer output x [1, rows * tokens + s, dim] as its two parts: the prompt rows' [rows,
+    tokens, dim] and the decode rows' [s, 1, dim]."""
+    n = rows * tokens
+    return x[0, :n].reshape(rows, tokens, x.shape[-1]), x[0, n:, None]
 
 
 def prefill_layers(

@@ -42,7 +42,8 @@ BACKENDS = {
     # prompts past 96 tokens a step computed in chunks
     "cpu-kernels": dict(mesh="data=1,model=1", max_slots=4, step_tokens=96),
     "xla-mesh": dict(mesh="data=2,model=2", cpu_kernels=False, max_slots=4),
-    "xla-paged": dict(mesh="data=1,model=1", cpu_kernels=False, page_size=16, max_slots=4),
+    # prompts and decode rows in mixed steps (`model.Mixed`), prompts past 96 tokens a step in chunks of whole pages
+    "xla-paged": dict(mesh="data=1,model=2", cpu_kernels=False, page_size=16, max_slots=4, step_tokens=96),
 }
 
 
