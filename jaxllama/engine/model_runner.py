@@ -251,8 +251,7 @@ class ModelRunner:
         x = self._packed_layers(inputs, batch.copies, decoding=True)
         prompt = self._prompt_logprobs(x, rows, batch, inputs) if batch.prompt_logprobs else None
         flags = dataclasses.replace(SamplerFlags.of(params), mask=decode_masks is not None)
-        keep = np.ones(self.slots, bool)
-        keep[list(cancelled)] = False
+        keep = self._keep(cancelled)
         x_decode = self._call("prefill_last", step.packed_last, (x, inputs["decode_at"]))
         mask = self._column_masks(decode_masks, columns)
         decoded = self._decode_outputs(flags, self._put(keep), x_decode, inputs["decode_slots"], mask)
@@ -268,8 +267,7 @@ class ModelRunner:
         batch = _PrefillBatch.of(rows, self, masked=masks is not None)
         inputs = self._put(batch.arrays)
         flags = dataclasses.replace(SamplerFlags.of(params), mask=decode_masks is not None)
-        keep = np.ones(self.slots, bool)
-        keep[list(cancelled)] = False
+        keep = self._keep(cancelled)
         prompt_pages = self._put(self._prompt_table(rows, batch))
         decode_slots, keep = self._put((np.asarray(columns, np.int32), keep))
         decode_pages = self._put(self._decode_table(columns))
@@ -296,6 +294,12 @@ class ModelRunner:
         self.pages.assign([(r.slot, r.source, r.start, r.start + len(r.tokens)) for r in rows])
         cache_rows = [r.slot for r in rows] + [self.slots] * (len(batch.arrays["slots"]) - len(rows))
         return self.pages.table(cache_rows, self.pages.pages_for(batch.span))
+
+    def _keep(self, cancelled: Sequence[int]) -> np.ndarray:
+        """[slots] bool: false for the slots a decode call stops first."""
+        keep = np.ones(self.slots, bool)
+        keep[list(cancelled)] = False
+        return keep
 
     def _decode_table(self, columns: Sequence[int]) -> np.ndarray:
         """The page tables of a decode step's columns: as many pages as the longest sequence's bucket of positions."""
@@ -346,8 +350,7 @@ class ModelRunner:
         `masks`: one step only, drawing each column's token among those its bitmask allows; it gives them,
         [columns, ceil(vocab / 32)] int32, and is called while the device runs the step's layers."""
         flags = dataclasses.replace(SamplerFlags.of(params), mask=masks is not None)
-        keep = np.ones(self.slots, bool)
-        keep[list(cancelled)] = False
+        keep = self._keep(cancelled)
         every = len(columns) == self.slots
         slots, keep, kept = self._put((None if every else np.array(columns, np.int32), keep, np.ones(self.slots, bool)))
         if self.pages:

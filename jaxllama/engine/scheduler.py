@@ -226,7 +226,7 @@ class Scheduler:
             if left is not None and n > left:
                 # A chunk of whole `multiple`s: a prompt whose log-probabilities are wanted computes its chunks' last
                 # tokens again, off that grid, so there it is computed whole: in a step of its own where it must be.
-                room = left if multiple == 1 else (start + left) // multiple * multiple - start
+                room = self._chunk_end(r.prompt, start, left) - start
                 whole = multiple > 1 and _wants_prompt_logprobs(r)
                 if (whole and planned) or (not whole and room < max(MIN_CHUNK, multiple)):
                     self.queue.extendleft(reversed(take[k:]))
@@ -266,9 +266,7 @@ class Scheduler:
             r, limit = item
             source, start, slot = self._place(r.prompt, _wants_prompt_logprobs(r), free, call)
             free.remove(slot)
-            end = len(r.prompt) if limit is None else min(len(r.prompt), start + limit)
-            if end < len(r.prompt):
-                end -= end % self.runner.chunk_multiple
+            end = self._chunk_end(r.prompt, start, limit)
             rows.append(PrefillRow(r, r.prompt[start:end], start, source, slot, final=end == len(r.prompt)))
         return rows
 
@@ -278,12 +276,16 @@ class Scheduler:
         again: that position gives the next token's log-probability."""
         p = self.partial[slot]
         prompt, start = p.request.prompt, p.done - _wants_prompt_logprobs(p.request)
-        end = len(prompt) if left is None else min(len(prompt), start + left)
-        if end < len(prompt):
-            end -= end % self.runner.chunk_multiple
+        end = self._chunk_end(prompt, start, left)
         if end <= p.done:
             return None
         return PrefillRow(p.request, prompt[start:end], start, slot, slot, final=end == len(prompt))
+
+    def _chunk_end(self, prompt: list[int], start: int, limit: int | None) -> int:
+        """Where a prompt's chunk from `start` of at most `limit` tokens (None: all the rest) ends: the prompt's end,
+        or a multiple of the runner's `chunk_multiple` before it."""
+        end = len(prompt) if limit is None else min(len(prompt), start + limit)
+        return end if end == len(prompt) else end - end % self.runner.chunk_multiple
 
     def _joins_decode(self) -> bool:
         """Whether the step's decode may run in its prefill call: where the runner joins them and some slot is
