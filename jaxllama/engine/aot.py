@@ -64,6 +64,7 @@ class ProgramReport:
     cycles: int | None
     collectives: dict
     heaviest: list  # the instructions that move the most HBM bytes (`hlo.Module.heaviest`)
+    kernel_bytes: int = 0  # of hbm_bytes, its Pallas kernels' operands and results (`hlo.Traffic.kernel_bytes`)
     hlo_text: str | None = dataclasses.field(default=None, repr=False)  # the optimized HLO (not in `to_json`)
 
 
@@ -428,6 +429,7 @@ def program_report(compiled: Compiled, phase: str, calls: int) -> ProgramReport:
         cycles=traffic.cycles if traffic else None,
         collectives=traffic.collectives if traffic else {},
         heaviest=heaviest,
+        kernel_bytes=traffic.kernel_bytes if traffic else 0,
         hlo_text=compiled.hlo_text,
     )
 

@@ -6,7 +6,9 @@ a memory-bound program moves. Here each instruction the device runs in turn (the
 body's times its trip count) is charged the bytes of its operands and result that live in HBM: a TPU layout marks
 on-chip memory as `S(1)`, so a weight prefetched into VMEM is charged once, by its copy. An operand a fusion only
 slices (a cache row gathered) is charged the slice; an update in place (a cache position written) the update, not
-the whole buffer. Custom calls (a Pallas kernel) are charged their whole operands: they may read less.
+the whole buffer. Custom calls (a Pallas kernel) are charged their whole operands: they may read less, and what
+they read of them is counted apart (`Traffic.kernel_bytes`), for a caller that knows the share a call reads (a
+paged-attention kernel reads a row's pages up to its length, not the whole pool: `engine/job_clock.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ _FREE |= {"opt-barrier", "add-dependency", "domain"}
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
 _SLICES = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice", "scatter"}
+_KERNEL = re.compile(r'custom_call_target="(tpu_custom_call|[^"]*triton[^"]*)"')  # Mosaic's (TPU), Triton's (GPU)
 
 
 def _tuple_index(inst: Instruction) -> int:
@@ -73,15 +76,19 @@ class Instruction:
 @dataclasses.dataclass
 class Traffic:
     """What a program (or part of one) moves: HBM bytes, the compiler's estimated cycles (summed over the
-    instructions that carry one), and per collective kind {"count", "bytes"} (the bytes of their results)."""
+    instructions that carry one), per collective kind {"count", "bytes"} (the bytes of their results), and the HBM
+    bytes of its Pallas kernels' operands and results (among `hbm_bytes`; the compiler estimates no cycles for
+    them)."""
 
     hbm_bytes: int = 0
     cycles: int = 0
     collectives: dict = dataclasses.field(default_factory=dict)
+    kernel_bytes: int = 0
 
     def add(self, other: Traffic, times: int = 1) -> None:
         self.hbm_bytes += other.hbm_bytes * times
         self.cycles += other.cycles * times
+        self.kernel_bytes += other.kernel_bytes * times
         for kind, c in other.collectives.items():
             mine = self.collectives.setdefault(kind, {"count": 0, "bytes": 0})
             mine["count"] += c["count"] * times
@@ -215,6 +222,8 @@ class Module:
             read = sum(self._hbm(name) for name in inst.operands)
             written = sum(a.hbm_bytes for a in inst.arrays)
         out = Traffic(read + written, cycles)
+        if op == "custom-call" and _KERNEL.search(inst.attributes):
+            out.kernel_bytes = read + written
         kind = op.removesuffix("-start")
         if kind in COLLECTIVES:
             out.collectives[kind] = {"count": 1, "bytes": sum(a.bytes for a in inst.arrays[:1])}

@@ -107,9 +107,9 @@ class ModelRunnerInterface(Protocol):
         masks: Callable[[], np.ndarray] | None = None,
         decode_masks: Callable[[], np.ndarray] | None = None,
     ) -> tuple[Sampled, Sampled]:
-        """`prefill(rows, masks=masks)` and `generate(columns, params, cancelled, decode_masks)` in one call (with
-        `joins_decode`), the columns slots that run already, none of the rows'. -> (the prefill's `Sampled`, the
-        decode step's)."""
+        """`prefill(rows, masks=masks)` and `generate(columns, params, cancelled, decode_masks)` of one token in one
+        call (with `joins_decode`), the columns slots that run already, none of the rows'. -> (the prefill's
+        `Sampled`, the decode step's)."""
 
     def generate(
         self,

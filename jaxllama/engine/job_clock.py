@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllama.backends.pallas import MAX_PAGES_PER_BLOCK
 from jaxllama.engine import aot
 from jaxllama.engine.interface import LENGTH, RUNNING, PrefillRow, Sampled
 from jaxllama.engine.model_runner import ModelRunner
@@ -33,10 +34,19 @@ from jaxllama.engine.scheduler import Scheduler
 from jaxllama.engine.stats import EngineStats
 from jaxllama.errors import RequestError
 
-# What a collective costs besides its bytes over the chips' links: a few microseconds to synchronize (an all-reduce of
-# a few KB over a v5e slice's ICI takes ~10-20 us in published profiles of jax-llm-examples' decode step); stated
-# here as the assumption it is.
-COLLECTIVE_LATENCY_S = 10e-6
+# A Pallas kernel's share of the chip's HBM bandwidth: the compiler estimates no cycles for a custom call, so a
+# kernel is charged the bytes it reads at this share (vLLM TPU's ragged paged attention reports up to 86% of the
+# bandwidth in decode, and jax-llm-examples' 70B decode step 85% over the whole step; jax's paged-attention kernel,
+# which this engine runs, is taken a little below them). An assumption, stated as one.
+KERNEL_BANDWIDTH_SHARE = 0.8
+# The programs whose Pallas kernel reads the paged pool (a decode step's attention): a call reads its rows' pages,
+# a block of kernel pages at a time up to each row's length, not the whole pool its operands name.
+POOL_READERS = ("decode_layers", "mixed_layers")
+# What a collective costs besides its bytes over the chips' links, to synchronize: bounded by the one measured decode
+# step at hand. jax-llm-examples' Llama-3.1-70B on a v5e-16 (TP 16, batch 8 x 2,048) decodes 159 tokens a second per
+# sequence, a 6.29 ms step, at "85% of HBM bandwidth": its int8 weights' read takes 5.37 ms of it, which leaves
+# 0.92 ms for everything else, among it the step's 160 all-reduces (two a layer): at most ~5.8 us each.
+COLLECTIVE_LATENCY_S = 5e-6
 # Bytes a second a chip moves to its neighbours over ICI, all links together (Google Cloud's TPU pages: v5e 1,600
 # Gbit/s, v6e 3,584 Gbit/s, v5p 4,800 Gbit/s, v4 2,400 Gbit/s).
 ICI_BANDWIDTH = {"TPU v5e": 200e9, "TPU v6e": 448e9, "TPU v5p": 600e9, "TPU v4": 300e9}
@@ -47,7 +57,7 @@ class ClockedRunner:
     and advances `now` by the cost of the programs it called; the tokens it gives are made up, each slot's request
     running to `outputs[request id]` tokens (at most what its context holds) and then finishing by length."""
 
-    def __init__(self, runner: ModelRunner, cost: Callable[[Compiled], float], outputs: dict):
+    def __init__(self, runner: ModelRunner, cost: Callable[[Compiled, float], float], outputs: dict):
         if not runner.abstract:
             raise ValueError("a clocked runner runs over an abstract model runner")
         self.runner, self.cost, self.outputs = runner, cost, outputs
@@ -62,11 +72,24 @@ class ClockedRunner:
     def clock(self) -> float:
         return self.now
 
-    def _timed(self, call) -> None:
-        """Run `call` on the abstract runner; advance the clock by the programs it called."""
+    def _timed(self, call, columns: Sequence[int] = ()) -> None:
+        """Run `call` on the abstract runner; advance the clock by the programs it called, those that read the pool
+        (`POOL_READERS`) by the share of it the decode rows `columns` hold (`_pool_read`)."""
         first = len(self.runner.programs.calls)
+        read = self._pool_read(columns)
         call()
-        self.now += sum(self.cost(c) for c in self.runner.programs.calls[first:])
+        called = self.runner.programs.calls[first:]
+        self.now += sum(self.cost(c, read if c.kind in POOL_READERS else 1.0) for c in called)
+
+    def _pool_read(self, columns: Sequence[int]) -> float:
+        """The share of a paged pool a decode step's kernel reads for the slots `columns`: each slot's pages, in
+        whole blocks of the kernel's (`pallas.MAX_PAGES_PER_BLOCK`); 1.0 over a contiguous cache."""
+        pages = self.runner.pages
+        if pages is None:
+            return 1.0
+        block = pages.page_size * MAX_PAGES_PER_BLOCK
+        read = sum(-(-pages.positions(c) // block) * block for c in columns if c < self.slots)
+        return min(1.0, read / (pages.pages * pages.page_size))
 
     def make_room(self, needed: int, lengths: dict[int, int]) -> int:
         kept = []
@@ -78,11 +101,11 @@ class ClockedRunner:
         return self._started(rows) if sample else None
 
     def generate(self, columns: Sequence[int], params, cancelled: Sequence[int] = (), masks=None) -> Sampled:
-        self._timed(lambda: self.runner.generate(columns, params, cancelled))
+        self._timed(lambda: self.runner.generate(columns, params, cancelled), columns)
         return self._decoded(columns, cancelled, self.decode_steps)
 
     def prefill_and_decode(self, rows, columns, params, cancelled=(), masks=None, decode_masks=None):
-        self._timed(lambda: self.runner.prefill_and_decode(rows, columns, params, cancelled))
+        self._timed(lambda: self.runner.prefill_and_decode(rows, columns, params, cancelled), columns)
         return self._started(rows), self._decoded(columns, cancelled, 1)
 
     def _started(self, rows: Sequence[PrefillRow]) -> Sampled:
@@ -178,7 +201,7 @@ class JobPrediction:
 def predict(
     runner: ModelRunner,
     jobs: Sequence[tuple[list[int], int]],
-    cost: Callable[[Compiled], float],
+    cost: Callable[[Compiled, float], float],
     *,
     step_tokens: int,
     chips: int,
@@ -234,42 +257,46 @@ def _quantile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
-def estimated_cost(chip) -> Callable[[Compiled], float]:
-    """A program's seconds on `chip` by the compiler's estimates (`aot.py`): the longer of its HBM traffic over the
-    chip's bandwidth and its cycle estimate over the chip's clock (the cost model's where the HLO cannot be read),
-    plus its collectives: their bytes over the chip's ICI bandwidth and COLLECTIVE_LATENCY_S each."""
-    known: dict[int, float] = {}
+def estimated_cost(chip) -> Callable[[Compiled, float], float]:
+    """A program's seconds on `chip` by the compiler's estimates (`aot.py`), the call reading the share `read` of
+    its Pallas kernels' operands: the longer of its other HBM traffic over the chip's bandwidth and its cycle
+    estimate over the chip's clock (the cost model's where the HLO cannot be read), then its kernels' bytes read at
+    KERNEL_BANDWIDTH_SHARE of the bandwidth, and its collectives: their bytes over the chip's ICI bandwidth and
+    COLLECTIVE_LATENCY_S each."""
+    known: dict[int, aot.ProgramReport] = {}
 
-    def cost(compiled: Compiled) -> float:
+    def cost(compiled: Compiled, read: float = 1.0) -> float:
         if id(compiled) not in known:
-            report = aot.program_report(compiled, "job", 1)
-            estimates = []
-            if report.hbm_bytes is not None:
-                estimates.append(report.hbm_bytes / chip.hbm_bandwidth)
-            if report.cycles:
-                estimates.append(report.cycles / chip.clock_hz)
-            seconds = max(estimates) if estimates else max(report.cost_model_s, 0.0)
-            ici = ICI_BANDWIDTH.get(chip.name)
-            for collective in report.collectives.values():
-                seconds += collective["count"] * COLLECTIVE_LATENCY_S
-                seconds += collective["bytes"] / ici if ici else 0.0
-            known[id(compiled)] = seconds
-        return known[id(compiled)]
+            known[id(compiled)] = aot.program_report(compiled, "job", 1)
+        report = known[id(compiled)]
+        estimates, kernel = [], 0.0
+        if report.hbm_bytes is not None:
+            estimates.append((report.hbm_bytes - report.kernel_bytes) / chip.hbm_bandwidth)
+            kernel = report.kernel_bytes * read / (KERNEL_BANDWIDTH_SHARE * chip.hbm_bandwidth)
+        if report.cycles:
+            estimates.append(report.cycles / chip.clock_hz)
+        seconds = (max(estimates) if estimates else max(report.cost_model_s, 0.0)) + kernel
+        ici = ICI_BANDWIDTH.get(chip.name)
+        for collective in report.collectives.values():
+            seconds += collective["count"] * COLLECTIVE_LATENCY_S
+            seconds += collective["bytes"] / ici if ici else 0.0
+        return seconds
 
     return cost
 
 
-def measured_cost(repeats: int = 3) -> Callable[[Compiled], float]:
+def measured_cost(repeats: int = 3) -> Callable[[Compiled, float], float]:
     """A program's seconds on the local devices, measured: run on zeros of its arguments' shapes, once to warm up and
-    then `repeats` times, the median. What depends on the values is left out: attention reads the positions a slot
-    holds, and zeros hold none (the decode state's positions are zero), so long sequences' attention is undercounted."""
+    then `repeats` times, the median (whatever share of a paged pool the call reads). What depends on the values is
+    left out: attention reads the positions a slot holds, and zeros hold none (the decode state's positions are
+    zero), so long sequences' attention is undercounted."""
 
     known: dict[int, float] = {}
 
     def zeros(info, sharding):
         return jax.device_put(jnp.zeros(info.shape, info.dtype), sharding)
 
-    def cost(compiled: Compiled) -> float:
+    def cost(compiled: Compiled, read: float = 1.0) -> float:
         if id(compiled) not in known:
             executable = compiled.executable
             shardings = executable.input_shardings[0]

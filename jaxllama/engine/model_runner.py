@@ -156,10 +156,11 @@ class ModelRunner:
 
     @property
     def joins_decode(self) -> bool:
-        """Whether `prefill_and_decode` may run a prefill and a decode step as one call, where a call decodes one
-        token: a packed prefill's batch takes a decode step's rows as they are, and over a paged cache a mixed step
-        runs the prompt rows and the decode rows as one batch of tokens (`model.Mixed`)."""
-        return (self.packs_prompts or self.pages is not None) and self.decode_steps == 1
+        """Whether `prefill_and_decode` may run a prefill and a decode step (of one token) as one call: a packed
+        prefill's batch takes a decode step's rows as they are, and over a paged cache a mixed step runs the prompt
+        rows and the decode rows as one batch of tokens (`model.Mixed`). With `decode_steps` > 1 only the steps that
+        admit no prompt decode several tokens a call."""
+        return self.packs_prompts or self.pages is not None
 
     @property
     def chunk_multiple(self) -> int:
@@ -243,7 +244,7 @@ class ModelRunner:
         advance and the rows start decoding. The columns are slots already running, none of the rows'. Both masks
         are asked for while the device runs the layers. -> (the prefill's `Sampled`, the decode step's)."""
         if not self.joins_decode:
-            raise ValueError("a prefill joins a decode step only with packed prompts or a paged cache, 1 step a call")
+            raise ValueError("a prefill joins a decode step only with packed prompts or a paged cache")
         if not self.packs_prompts:
             return self._mixed_step(rows, columns, params, cancelled, masks, decode_masks)
         batch = _PrefillBatch.of(rows, self, masked=masks is not None, columns=columns)

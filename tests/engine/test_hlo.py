@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxllama.engine import hlo
+from jaxllama.engine import aot, hlo
+from tests.engine.test_aot import needs_libtpu
 
 
 def _compiled_text(fn, *args, donate=()):
@@ -85,3 +86,19 @@ def test_a_loop_the_compiler_gives_no_trip_count_is_counted_from_its_condition()
     assert loop.config_number("known_trip_count") == 0  # as a TPU program's loops come
     traffic = hlo.program_traffic(text)
     assert 4 * once.hbm_bytes <= traffic.hbm_bytes <= 6 * once.hbm_bytes
+
+
+@needs_libtpu
+def test_a_pallas_kernel_is_charged_its_operands_and_counted_apart():
+    """jax's paged-attention kernel compiled for a TPU: a custom call, charged the whole pool its operands name (it may
+    read less: a row's pages up to its length), and those bytes counted apart, for the job clock to scale."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    device = aot.target_devices("v5e:1x1")[0][0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    shape = lambda s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype, sharding=sharding)
+    q, pool = shape((8, 8, 128)), shape((8, 256, 64, 128))  # 8 rows, 8 heads; 256 pages of 64 positions
+    lengths, pages = shape((8,), jnp.int32), shape((8, 32), jnp.int32)
+    attend = lambda q, k, v, lengths, pages: paged_attention(q, k, v, lengths, pages, pages_per_compute_block=8)
+    traffic = hlo.program_traffic(jax.jit(attend).lower(q, pool, pool, lengths, pages).compile().as_text())
+    assert 2 * 8 * 256 * 64 * 128 * 2 <= traffic.kernel_bytes <= traffic.hbm_bytes

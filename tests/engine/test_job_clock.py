@@ -29,7 +29,7 @@ def test_each_request_generates_its_length_on_the_clock_of_the_programs_called()
     jobs = [([1] * n, out) for n, out in [(10, 5), (100, 1), (40, 30), (200, 80), (3, 12), (300, 4)]]
     calls = []
 
-    def cost(compiled):  # a millisecond a program call: the clock counts the calls
+    def cost(compiled, read):  # a millisecond a program call: the clock counts the calls
         calls.append(compiled.kind)
         return 1e-3
 
@@ -46,9 +46,9 @@ def test_a_program_is_measured_once_per_shape_on_the_local_devices():
     engine = local_engine(max_slots=4, max_context=256)
     measured, seen = job_clock.measured_cost(repeats=1), []
 
-    def cost(compiled):
+    def cost(compiled, read):
         seen.append(compiled)
-        return measured(compiled)
+        return measured(compiled, read)
 
     p = job_clock.predict(engine.runner, [([1] * 20, 6)] * 6, cost, step_tokens=2048, chips=1)
     assert p.output_tokens == 36 and p.wall_s > 0 and p.programs == len(set(map(id, seen))) < len(seen)
