@@ -22,13 +22,6 @@ LAYERS_PER_PROGRAM = 5
 # step); on a CPU one (the step dominates, and a finished slot is refilled sooner).
 DECODE_STEPS = {"cpu": 1}
 ACCELERATOR_DECODE_STEPS = 8
-# Tokens a step computes (its decode rows' and its prompts' chunks), where not chosen: on a CPU `buckets.STEP_TOKENS`;
-# on an accelerator about what a decode step's reads leave the matrix units time for, so that a prompt's products
-# ride on weights read anyway. A v5e does 240 flops in the time it reads a byte: an 8B bf16 decode step of 128 slots
-# (~8 ms of reads on v5e:2x4) has time for ~800 tokens' products; 512 keeps the step bound by its reads with room
-# for the prompt rows' attention. More tokens a step make it compute-bound, and every slot waits for it.
-STEP_TOKENS = {"cpu": buckets.STEP_TOKENS}
-ACCELERATOR_STEP_TOKENS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +39,7 @@ class EngineOptions:
     step_tokens: tokens a step computes (its decode rows' and prompts'), where the backend runs a prefill and a
       decode step as one call (`ModelRunner.joins_decode`): the prompts past them wait, a longer one computed in
       chunks over steps, so that a long prompt does not hold up the running requests' next tokens (vLLM's chunked
-      prefill); None: the platform's (`STEP_TOKENS`).
+      prefill).
     layers_per_program: decoder layers per compiled program.
     min_cache: a contiguous cache's first length in positions (it grows by buckets).
     cpu_kernels: on one CPU device, run the CPU kernels where they build (else XLA's operations everywhere);
@@ -59,7 +52,7 @@ class EngineOptions:
     quantize: str | None = None
     kv_cache_dtype: str | None = None
     page_size: int | None = None
-    step_tokens: int | None = None
+    step_tokens: int = buckets.STEP_TOKENS
     layers_per_program: int = LAYERS_PER_PROGRAM
     min_cache: int = buckets.MIN_BUCKET
     cpu_kernels: bool = True
@@ -67,9 +60,9 @@ class EngineOptions:
     def __post_init__(self):
         backends.check_quantization(self.quantize)
         kvcache.dtype(self.kv_cache_dtype, None)
-        for name in ("max_slots", "layers_per_program", "min_cache"):
+        for name in ("max_slots", "step_tokens", "layers_per_program", "min_cache"):
             _check_count(name, getattr(self, name))
-        for name in ("max_context", "decode_steps", "step_tokens"):
+        for name in ("max_context", "decode_steps"):
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name))
         if self.page_size is not None and not (is_int(self.page_size) and self.page_size >= 0):
@@ -78,12 +71,10 @@ class EngineOptions:
     def resolved(self, max_seq_len: int, data: int, platform: str, cache_dtype, page_size: int) -> EngineOptions:
         """These options with every choice made: slots a multiple of the mesh's `data` axis, the context at most the
         model's `max_seq_len`, the decode steps of the devices' `platform`, the cache's dtype as resolved for the
-        weights (`cache_dtype`) and its page size (`page_size`, the backend's, where not chosen), the step's tokens
-        of the platform."""
+        weights (`cache_dtype`) and its page size (`page_size`, the backend's, where not chosen)."""
         steps = self.decode_steps or DECODE_STEPS.get(platform, ACCELERATOR_DECODE_STEPS)
         return dataclasses.replace(
             self,
-            step_tokens=self.step_tokens or STEP_TOKENS.get(platform, ACCELERATOR_STEP_TOKENS),
             max_slots=buckets.slot_count(self.max_slots, data),
             max_context=min(self.max_context or max_seq_len, max_seq_len),
             decode_steps=steps,
