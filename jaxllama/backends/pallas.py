@@ -1,14 +1,14 @@
 """XLA's operations on a TPU or GPU, with a decode step's attention over a paged KV cache run by jax's own Pallas
-kernels (`jax.experimental.pallas.ops.tpu.paged_attention`, JetStream's, and `...ops.gpu.paged_attention`): each row
-reads only its pages up to its own length, a block of pages at a time, where XLA's gather reads every page of the
-table's width for every row. Both kernels read the pool as `core/paged_kv.py` lays it out ([kv_heads, pages,
-page_size, head_dim]); the GPU's also reads an int8 cache's scales as they are stored ([kv_heads, pages, page_size]).
+kernels (`jax.experimental.pallas.ops.tpu.paged_attention`, JetStream's, and `...ops.gpu.paged_attention`; over an
+int8 cache on a TPU, `int8_paged_attention.py`): each row reads only its pages up to its own length, a block of pages
+at a time, where XLA's gather reads every page of the table's width for every row. The kernels read the pool as
+`core/paged_kv.py` lays it out ([kv_heads, pages, page_size, head_dim]), and an int8 cache's scales as they are
+stored ([kv_heads, pages, page_size]).
 
 The kernels run per device: inside a `shard_map` over the mesh's `model` axis, each device attends with its own
 query heads over its own KV heads (the pool's heads are split over `model`, as the weights' are). A prompt's
 attention (many queries a row), KV heads that the model axis does not split, a head_dim that is not a multiple of
-128 (the TPU kernel's blocks end in whole 128-lane registers; Llama's is 128) and, on a TPU, an int8 cache take
-XLA's path.
+128 (the TPU kernel's blocks end in whole 128-lane registers; Llama's is 128) take XLA's path.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxllama.backends import int8_paged_attention
 from jaxllama.core import int8_kv
 from jaxllama.core.int8_kv import Int8KV
 from jaxllama.core.ops import Ops
@@ -30,6 +30,7 @@ LANES = 128  # a head's width must be a multiple of it
 # Positions per page: a TPU's bfloat16 tile is [16, 128], and pages of a few tiles make whole DMA transfers for the
 # kernels; a prefix is shared a page at a time.
 PAGE_SIZE = 64
+INT8_PAGE_SIZE = 128
 MAX_PAGES_PER_BLOCK = 8  # pages a kernel reads at a time: with 64-position pages, 512 positions a block
 # A prompt's attention runs the flash kernel from this many tokens: below, the kernel's layout ([heads, t] major, not
 # XLA's [t, heads]) costs its transposes about what it saves (`jaxllama compile`, 8B on v5e:2x4 by cycles, the
@@ -62,13 +63,10 @@ class PallasOps(Ops):
     rope_halves: bool = dataclasses.field(default=True, kw_only=True)
     # Tested on a CPU in Pallas's interpreter (the kernel's own code, run as jax operations).
     interpret: bool = dataclasses.field(default=False, kw_only=True)
-    int8_cache: ClassVar[bool] = False  # the kernel reads an int8 cache's scales
 
     def page_size(self, cache_dtype) -> int:
-        """Paged, where the kernel reads the cache's dtype: a TPU's does not read int8 pages' scales, and XLA's gather
-        of them moves more than a contiguous int8 cache (`jaxllama compile`: 8B on v5e:2x4, 64 x 4096, 127.5
-        against 135.0 tok/s per sequence)."""
-        return PAGE_SIZE if self.int8_cache or not int8_kv.is_int8(cache_dtype) else 0
+        """Paged in every cache dtype: a kernel reads each of them, int8 pages with their scales."""
+        return PAGE_SIZE
 
     def gated(self, x, p: dict, gate: str, up: str) -> jax.Array:
         """silu(x @ gate) * (x @ up), computed once: held apart by an optimization barrier from the down projection
@@ -82,8 +80,7 @@ class PallasOps(Ops):
         mesh = jax.sharding.get_abstract_mesh()
         model = 1 if mesh.empty or "model" not in mesh.axis_names else mesh.shape["model"]
         kv_heads, head_dim = pool_k.shape[0], pool_k.shape[-1]
-        int8 = isinstance(pool_k, Int8KV)
-        if q.shape[1] != 1 or kv_heads % model or head_dim % LANES or (int8 and not self.int8_cache):
+        if q.shape[1] != 1 or kv_heads % model or head_dim % LANES:
             return super().paged_attention(q, pool_k, pool_v, positions, table)
         b, _, kv, g, hd = q.shape
         queries = (q[:, 0] * (1.0 / math.sqrt(hd))).reshape(b, kv * g, hd)  # head kv_index * g + group
@@ -109,9 +106,17 @@ class PallasOps(Ops):
 
 @dataclasses.dataclass(frozen=True)
 class TpuOps(PallasOps):
+    def page_size(self, cache_dtype) -> int:
+        """An int8 cache's pages hold 128 positions: its scales ([kv_heads, pages, page_size] float32) are tiled 128
+        to a row, and pages of 64 would store and read each row twice its bytes."""
+        return INT8_PAGE_SIZE if int8_kv.is_int8(cache_dtype) else PAGE_SIZE
+
     def compiler_options(self, program: str, device) -> dict:
         """The TPU compiler's options for every program: no collective matmuls (`TPU_OPTIONS`), and on some chips more
-        scoped VMEM (`SCOPED_VMEM_KIB`)."""
+        scoped VMEM (`SCOPED_VMEM_KIB`); none for another compiler (a CPU mesh running the kernels in Pallas's
+        interpreter)."""
+        if device.platform != "tpu":
+            return {}
         return TPU_OPTIONS | SCOPED_VMEM_KIB.get(device.device_kind, {})
 
     def prompt_attention(self, q, k, v) -> jax.Array | None:
@@ -145,13 +150,13 @@ class TpuOps(PallasOps):
         from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
         block = math.gcd(pages.shape[1], MAX_PAGES_PER_BLOCK)
+        if isinstance(pool_k, Int8KV):
+            return int8_paged_attention.paged_attention(q, pool_k, pool_v, lengths, pages, pages_per_block=block)
         return paged_attention(q, pool_k, pool_v, lengths, pages, pages_per_compute_block=block)
 
 
 @dataclasses.dataclass(frozen=True)
 class GpuOps(PallasOps):
-    int8_cache: ClassVar[bool] = True
-
     def _kernel(self, q, pool_k, pool_v, lengths, pages) -> jax.Array:
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 

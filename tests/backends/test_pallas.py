@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 from dataclasses import replace
 
 import jax
@@ -16,7 +17,8 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxllama.backends.pallas import FLASH_MIN_TOKENS, GpuOps, TpuOps
+from jaxllama.backends import int8_paged_attention
+from jaxllama.backends.pallas import FLASH_MIN_TOKENS, INT8_PAGE_SIZE, PAGE_SIZE, GpuOps, TpuOps
 from jaxllama.core import int8_kv
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import Ops
@@ -47,8 +49,31 @@ def test_the_pallas_kernel_gives_xlas_attention_over_the_same_pages():
     # the kernel's products round their operands as a TPU's default precision does (bfloat16 passes)
     np.testing.assert_allclose(got, want, atol=1e-2)
     assert "pallas_call" in str(jax.make_jaxpr(TpuOps().paged_attention)(*args))
-    prompt = (jnp.concatenate([args[0]] * 2, axis=1), *args[1:3], jnp.concatenate([args[3] - 1, args[3]], 1), args[4])
-    assert "pallas_call" not in str(jax.make_jaxpr(TpuOps().paged_attention)(*prompt))  # many queries: XLA's
+
+
+@pytest.mark.parametrize("pages_per_block", [1, 2, 4])
+def test_the_int8_kernel_gives_xlas_attention_over_the_same_int8_pages(pages_per_block):
+    """`int8_paged_attention.py` in the TPU interpreter: each row's int8 keys and values read a block of pages at a
+    time with their own scales, rows of 2 to 4 pages and different lengths (the next row's first block fetched during
+    the last of this one): XLA's attention over the same int8 cache, to float32's rounding."""
+    q, pool_k, pool_v, positions, table = _case(kv=2, g=4)
+    pool_k, pool_v = (int8_kv.Int8KV(*int8_kv.quantize(p)) for p in (pool_k, pool_v))
+    want = Ops(float32_products=True).paged_attention(q, pool_k, pool_v, positions, table)
+    b, _, kv, g, hd = q.shape
+    queries = (q[:, 0] / math.sqrt(hd)).reshape(b, kv * g, hd)
+    pages = jnp.minimum(table, pool_k.shape[1] - 1)
+    with pltpu.force_tpu_interpret_mode():
+        got = int8_paged_attention.paged_attention(
+            queries, pool_k, pool_v, positions[:, 0] + 1, pages, pages_per_block=pages_per_block
+        )
+    np.testing.assert_allclose(got.reshape(want.shape), want, atol=1e-5)
+
+
+def test_an_int8_cache_on_a_tpu_is_paged_and_read_by_the_int8_kernel():
+    q, pool_k, pool_v, positions, table = _case()
+    pool_k, pool_v = (int8_kv.Int8KV(*int8_kv.quantize(p)) for p in (pool_k, pool_v))
+    assert "pallas_call" in str(jax.make_jaxpr(TpuOps().paged_attention)(q, pool_k, pool_v, positions, table))
+    assert TpuOps().page_size(jnp.int8) == INT8_PAGE_SIZE and TpuOps().page_size(jnp.bfloat16) == PAGE_SIZE
 
 
 def _prompt(b=2, t=FLASH_MIN_TOKENS, kv=2, g=3, hd=128):
@@ -195,3 +220,29 @@ def test_tpu_programs_compile_without_collective_matmuls_and_a_v6e_with_more_vme
     assert "xla_tpu_scoped_vmem_limit_kib" not in TpuOps().compiler_options("prefill_layers", v5e)
     assert TpuOps().compiler_options("decode_layers", v6e)["xla_tpu_scoped_vmem_limit_kib"] == 98304
     assert GpuOps().compiler_options("prefill_layers", SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")) == {}
+
+
+@pytest.mark.slow
+def test_an_engine_over_an_int8_cache_on_a_tpus_operations_gives_xlas_int8_tokens():
+    """The engine with a TPU's operations (in the interpreter) over an int8 cache: paged in 128-position pages, its
+    decode steps through the int8 kernel; greedy tokens those of XLA's attention over a contiguous int8 cache."""
+    from jaxllama.core.params import init_params
+    from jaxllama.core.sharding import make_mesh
+    from jaxllama.engine.engine import Engine
+    from jaxllama.engine.request import Request, SamplingParams
+    from tests.helpers.engine import run
+
+    config = ModelConfig(vocab_size=96, dim=256, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=128, max_seq_len=512)
+    params = init_params(config, jax.random.key(0), jnp.float32)
+    mesh = make_mesh(config, "data=1,model=1", jax.devices()[:1])
+    rng = np.random.default_rng(0)
+    requests = [
+        Request(i, [int(t) for t in rng.integers(1, 96, n)], SamplingParams(max_tokens=m, temperature=0.0))
+        for i, (n, m) in enumerate([(5, 20), (150, 12), (40, 30)])  # the second past a page when it ends
+    ]
+    options = dict(max_slots=2, max_context=512, kv_cache_dtype="int8")
+    want = run(Engine(config, params, mesh, ops=Ops(float32_products=True), **options), requests)[0]
+    with pltpu.force_tpu_interpret_mode():
+        engine = Engine(config, params, mesh, ops=TpuOps(), **options)
+        assert engine.runner.pages is not None and engine.runner.pages.page_size == INT8_PAGE_SIZE
+        assert run(engine, requests)[0] == want
