@@ -54,6 +54,24 @@ def _load(model, options, *, mesh=None, dtype=None, chat_template=None, eos_id=N
     return llm
 
 
+def _replica_spec(ray, replicas, coordinator, model, options, mesh, dtype, chat_template, eos_id):
+    """What each replica of a `--ray` job loads; the flags checked, and Ray's presence, before anything starts."""
+    from jaxllama.llm import check_dtype
+    from jaxllama.ray import ReplicaSpec, import_ray
+
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+        _fail(f"--replicas {replicas!r}: must be a whole number of at least 1")
+    if coordinator is not None:
+        _fail("--ray and --coordinator: a replica on several hosts is not supported yet; use one or the other")
+    try:
+        import_ray()
+    except ImportError as e:
+        _fail(f"--ray: {e}")
+    check_dtype(dtype)
+    eos = tuple(_as_list(eos_id, int) or ())
+    return ReplicaSpec(model, options, mesh=mesh, dtype=dtype, chat_template=chat_template, eos_ids=eos)
+
+
 # The flag that sets each `EngineOptions` field, so that an error names what the user typed.
 _ENGINE_FLAGS = {
     "max_slots": "--max-batch",
@@ -152,6 +170,8 @@ def run(
     coordinator: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    ray: str | None = None,
+    replicas: int = 1,
 ):
     """Run a JSONL job: one request per line (chat "messages", plain "prompt", or OpenAI Batch API lines).
 
@@ -180,6 +200,11 @@ def run(
       coordinator: multi-host: HOST:PORT of process 0 (or JAX_COORDINATOR_ADDRESS).
       num_processes: multi-host: number of processes (or JAX_NUM_PROCESSES).
       process_id: multi-host: this process's index (or JAX_PROCESS_ID).
+      ray: run the job as independent replicas on a Ray cluster: "local" (one started on this host), "auto" (the
+        cluster this host is in) or its ADDRESS; this process reads and writes, the replicas answer (needs the
+        extra: pip install -e '.[ray]').
+      replicas: with --ray, the engines answering the job, each over its share of the cluster's devices (--mesh:
+        each replica's).
     """
     from pathlib import Path
 
@@ -204,17 +229,23 @@ def run(
         slots = min(engine_options.max_slots, max(1, count_lines(job_path)))
         engine_options = dataclasses.replace(engine_options, max_slots=slots)
         out_path = Path(output) if output else default_output(job_path)
-        initialize_distributed(coordinator, num_processes, process_id)
-        # Before the model loads, held until the process ends: one writer per output (process 0 writes it).
-        lock = OutputLock(out_path).acquire() if is_main_process() else None
-        if not overwrite:  # before the model loads: a resume with other settings is refused at once
-            check_settings(out_path, settings)
-        quiet_here = quiet or (process_id or int(os.environ.get("JAX_PROCESS_ID", 0))) != 0
-        loading = dict(mesh=mesh, dtype=dtype, chat_template=chat_template, eos_id=eos_id, quiet=quiet_here)
-        llm = _load(model, engine_options, **loading)
+        if ray is not None:
+            spec = _replica_spec(ray, replicas, coordinator, model, engine_options, mesh, dtype, chat_template, eos_id)
+            lock = OutputLock(out_path).acquire()
+            if not overwrite:
+                check_settings(out_path, settings)
+        else:
+            initialize_distributed(coordinator, num_processes, process_id)
+            # Before the model loads, held until the process ends: one writer per output (process 0 writes it).
+            lock = OutputLock(out_path).acquire() if is_main_process() else None
+            if not overwrite:  # before the model loads: a resume with other settings is refused at once
+                check_settings(out_path, settings)
+            quiet_here = quiet or (process_id or int(os.environ.get("JAX_PROCESS_ID", 0))) != 0
+            loading = dict(mesh=mesh, dtype=dtype, chat_template=chat_template, eos_id=eos_id, quiet=quiet_here)
+            llm = _load(model, engine_options, **loading)
     except LOAD_ERRORS as e:
         _fail(str(e))
-    main = is_main_process()
+    main = ray is not None or is_main_process()
     try:
         options = JobOptions(
             defaults=defaults,
@@ -226,7 +257,13 @@ def run(
             settings=settings,
             quiet=quiet or not main,
         )
-        stats, summary = run_job(llm, job_path, Path(output) if output else None, options)
+        if ray is not None:
+            from jaxllama.ray import run_job_on_ray
+
+            address = "local" if ray is True else str(ray)
+            stats, summary = run_job_on_ray(job_path, out_path, options, spec, replicas, address)
+        else:
+            stats, summary = run_job(llm, job_path, Path(output) if output else None, options)
     except (OSError, SettingsChanged) as e:
         _fail(str(e))
     except JobInterrupted as e:
@@ -522,8 +559,8 @@ FLAG_HELP = {
     "per output channel (blocks requantized).",
     "dtype": "float32, bfloat16 or float16 to convert every weight to it while loading (blocks dequantized); default: "
     "the weights as the checkpoint stores them.",
-    "kv_cache_dtype": "float16 or bfloat16 keeps the KV cache in 16 bits, int8 (XLA's path: accelerators, a CPU mesh) "
-    "in 8 with a scale per vector, float32 exactly; auto (default): float16 on a CPU's kernels for float32 "
+    "kv_cache_dtype": "float16 or bfloat16 keeps the KV cache in 16 bits, int8 (accelerators, a CPU mesh) in 8 with "
+    "a scale per vector, float32 exactly; auto (default): float16 on a CPU's kernels for float32 "
     "weights, else the weights' dtype.",
 }
 
@@ -549,6 +586,8 @@ METAVARS = {
     "coordinator": "HOST:PORT",
     "num_processes": "N",
     "process_id": "I",
+    "ray": "local|auto|ADDRESS",
+    "replicas": "N",
     "served_model_name": "NAME",
     "topology": "v5e:2x4",
     "prefill": "8x512",

@@ -81,6 +81,11 @@ class ClientClosed(Exception):
     """The client went away before its answer was ready."""
 
 
+class ReplicaLost(RuntimeError):
+    """Every replica that took a job line died before answering it, as many times as a line is tried: the line
+    (or what it asks of the engine) is taken to kill replicas, and answered with this instead of being tried again."""
+
+
 # Failures of the model on disk: no request can run until it is replaced.
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,9 +29,23 @@ from jaxllama.batch.settings import check_settings, record_settings, settings_pa
 from jaxllama.batch.writer import OrderedWriter, journal_path
 from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import broadcast_from_main
+from jaxllama.engine.stats import EngineStats
 from jaxllama.protocol.pipeline import PreparedRequest, RequestPipeline
 
-__all__ = ["JobInterrupted", "JobOptions", "JobStats", "default_output", "print_summary", "read_job", "run_job"]
+__all__ = [
+    "Answered",
+    "JobInterrupted",
+    "JobOnEngine",
+    "JobOptions",
+    "JobStats",
+    "Tally",
+    "answer_job",
+    "default_output",
+    "job_pipeline",
+    "print_summary",
+    "read_job",
+    "run_job",
+]
 
 
 @dataclasses.dataclass
@@ -85,38 +101,94 @@ class JobOptions:
     quiet: bool = False
 
 
+class Answered(NamedTuple):
+    """A line's record, and what it counts for in the job's statistics (`ok`: an answer, not an error record)."""
+
+    number: int
+    record: dict
+    ok: bool
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_ms: float = 0.0
+
+
+class Tally:
+    """Where a job's answered lines go: the ordered writer, the statistics and the progress."""
+
+    def __init__(self, writer: OrderedWriter, stats: JobStats, progress: Progress):
+        self.writer, self.stats, self.progress = writer, stats, progress
+
+    def add(self, a: Answered) -> None:
+        self.writer.put(a.number, a.record)
+        if a.ok:
+            self.stats.ok += 1
+            self.stats.prompt_tokens += a.prompt_tokens
+            self.stats.completion_tokens += a.completion_tokens
+            self.stats.ttft_ms.append(a.ttft_ms)
+        else:
+            self.stats.failed += 1
+        self.progress.update(ok=a.ok, tokens=a.completion_tokens)
+
+
 def run_job(llm, job: Path, output: Path | None = None, options: JobOptions = JobOptions()) -> tuple[JobStats, dict]:
     """Run a job file with a loaded `LLM`. Returns (job statistics, summary dict). Raises SettingsChanged where
     the output was written with other settings, JobInterrupted on Ctrl-C after keeping what finished."""
+    before = dataclasses.replace(llm.stats)
+
+    def answer(lines: list[JobLine], tally: Tally) -> None:
+        batch = JobOnEngine(llm, job_pipeline(llm, options), tally.add)
+        for line in lines:
+            batch.submit(line)
+        batch.generate()
+
+    stats = answer_job(job, output, options, answer)
+    return stats, summary(stats, llm, before)
+
+
+def job_pipeline(llm, options: JobOptions) -> RequestPipeline:
+    """How a job's lines become the engine's requests: the model's prompts, and what the options say for what a
+    line leaves unsaid."""
+    return RequestPipeline(
+        llm.prompts, options.defaults, tuple(options.stop), options.system_prompt, output_options=False
+    )
+
+
+def answer_job(
+    job: Path,
+    output: Path | None,
+    options: JobOptions,
+    answer: Callable[[list[JobLine], Tally], None],
+    agree: bool = True,
+) -> JobStats:
+    """Read the job, keep what an earlier run finished, and have `answer(lines, tally)` answer each line still to
+    run (a line whose id an earlier line has fails at once), every record going through the ordered writer and its
+    journal. `agree`: every process of a multi-host run takes process 0's plan (false where only one process reads
+    the job: a driver of replicas, which leaves the devices to them)."""
     o = options
     job = Path(job)
     output = Path(output) if output else default_output(job)
     stats, progress = JobStats(), None
     start = time.perf_counter()
-    engine_stats_before = dataclasses.replace(llm.stats)
     try:
         lines = read_job(job)
         stats.requests = len(lines)
         if o.write:
             _prepare_output(output, o.settings, o.overwrite)
-        found = _plan(lines, load_records(output) if o.write else {}, o.retry_errors, stats)
-        pipeline = RequestPipeline(llm.prompts, o.defaults, tuple(o.stop), o.system_prompt, output_options=False)
+        found = _plan(lines, load_records(output) if o.write else {}, o.retry_errors, stats, agree)
         progress = Progress(len(found.todo), quiet=o.quiet, initial_skipped=stats.skipped, retried=stats.retried)
         with OrderedWriter(output if o.write else None, *_order(lines, found)) as writer:
-            batch = _JobOnEngine(llm, pipeline, writer, stats, progress)
+            tally = Tally(writer, stats, progress)
             for line, duplicate in found.todo:
-                if duplicate is None:
-                    batch.submit(line)
-                else:
-                    batch.fail(line, duplicate)
-            batch.generate()
+                if duplicate is not None:
+                    tally.add(Answered(line.number, records.failure(line, duplicate), ok=False))
+            answer([line for line, duplicate in found.todo if duplicate is None], tally)
     except KeyboardInterrupt:
         raise JobInterrupted(stats.skipped + stats.ok + stats.failed, stats.requests, output) from None
     finally:
         if progress is not None:
             progress.close()
     stats.wall_s = time.perf_counter() - start
-    return stats, summary(stats, llm, engine_stats_before)
+    return stats
 
 
 def _prepare_output(output: Path, settings: dict | None, overwrite: bool) -> None:
@@ -130,10 +202,13 @@ def _prepare_output(output: Path, settings: dict | None, overwrite: bool) -> Non
         record_settings(output, settings)
 
 
-def _plan(lines: list[JobLine], done: dict, retry_errors: bool, stats: JobStats) -> Plan:
-    """Which lines run, as process 0 (the one that reads the output) decides, on every process; counted in
-    `stats`."""
+def _plan(lines: list[JobLine], done: dict, retry_errors: bool, stats: JobStats, agree: bool) -> Plan:
+    """Which lines run, as process 0 (the one that reads the output) decides, on every process (`agree`); counted
+    in `stats`."""
     found = plan(lines, done, retry_errors)
+    if not agree:
+        stats.skipped, stats.kept_errors, stats.retried = len(found.kept), found.kept_errors, found.retried
+        return found
     kept = np.array([line.number in found.kept for line in lines], dtype=np.uint8)
     kept = {line.number for line, k in zip(lines, broadcast_from_main(kept).astype(bool), strict=True) if k}
     found.todo = [(line, duplicate) for line, duplicate in found.todo if line.number not in kept]
@@ -149,17 +224,17 @@ def _order(lines: list[JobLine], found: Plan) -> tuple[list[int], dict[int, dict
     return [line.number for line in lines] + list(others), {**found.kept, **others}
 
 
-class _JobOnEngine:
-    """The job's requests on the engine: each line submitted or failed at once, then answered as the engine
-    finishes it; every record goes to the writer, and is counted in the statistics and the progress."""
+class JobOnEngine:
+    """Job lines on an engine: each line submitted or failed at once, then answered as the engine finishes it; every
+    line's `Answered` goes to `deliver`."""
 
-    def __init__(self, llm, pipeline: RequestPipeline, writer: OrderedWriter, stats: JobStats, progress: Progress):
-        self.llm, self.pipeline, self.writer, self.stats, self.progress = llm, pipeline, writer, stats, progress
+    def __init__(self, llm, pipeline: RequestPipeline, deliver: Callable[[Answered], None]):
+        self.llm, self.pipeline, self.deliver = llm, pipeline, deliver
         # by line number, the engine's request id: the line, its request, its choices' results as they finish
         self.running: dict[int, tuple[JobLine, PreparedRequest, list]] = {}
 
     def submit(self, line: JobLine) -> None:
-        """Queue a line on the engine, or write its error record if it cannot run."""
+        """Queue a line on the engine, or deliver its error record if it cannot run."""
         try:
             kind, body = line.request()
             request = self.pipeline.prepare(body, kind)
@@ -173,47 +248,54 @@ class _JobOnEngine:
         self.running[line.number] = (line, request, [None] * request.n)
 
     def fail(self, line: JobLine, error: Exception) -> None:
-        self.writer.put(line.number, records.failure(line, error))
-        self.stats.failed += 1
-        self.progress.update(ok=False, tokens=0)
+        self.deliver(Answered(line.number, records.failure(line, error), ok=False))
 
     def generate(self) -> None:
         """Step the engine until every submitted line is answered."""
-        model_name = self.llm.name
-        while self.llm.text_engine.has_work():
-            for event in self.llm.text_engine.step():
-                if event.result is None:
-                    continue
-                line, request, results = self.running[event.id]
-                results[event.index] = event.result
-                if not event.last:
-                    continue
+        while self.has_work():
+            self.step()
+
+    def has_work(self) -> bool:
+        return self.llm.text_engine.has_work()
+
+    def step(self) -> None:
+        """One step of the engine; the lines it finishes are delivered."""
+        for event in self.llm.text_engine.step():
+            if event.result is None:
+                continue
+            line, request, results = self.running[event.id]
+            results[event.index] = event.result
+            if event.last:
                 del self.running[event.id]
-                error = next((r.error for r in results if r.error is not None), None)
-                if error is not None:  # its grammar could not be followed to the end: no answer
-                    self.fail(line, error)
-                    continue
-                try:
-                    answer = results if request.n > 1 else results[0]
-                    record = records.success(line, request, answer, model_name, self.llm.tokenizer)
-                except Exception as e:  # one line's fault costs that line only
-                    self.fail(line, e)
-                    continue
-                self.writer.put(line.number, record)
-                tokens = sum(len(r.token_ids) for r in results)
-                self.stats.ok += 1
-                self.stats.prompt_tokens += results[0].prompt_tokens
-                self.stats.completion_tokens += tokens
-                self.stats.ttft_ms.append(results[0].timings.ttft_ms)
-                self.progress.update(ok=True, tokens=tokens)
+                self._finish(line, request, results)
+
+    def _finish(self, line: JobLine, request: PreparedRequest, results: list) -> None:
+        error = next((r.error for r in results if r.error is not None), None)
+        if error is not None:  # its grammar could not be followed to the end: no answer
+            self.fail(line, error)
+            return
+        try:
+            answer = results if request.n > 1 else results[0]
+            record = records.success(line, request, answer, self.llm.name, self.llm.tokenizer)
+        except Exception as e:  # one line's fault costs that line only
+            self.fail(line, e)
+            return
+        tokens = sum(len(r.token_ids) for r in results)
+        self.deliver(Answered(line.number, record, True, results[0].prompt_tokens, tokens, results[0].timings.ttft_ms))
 
 
-def summary(stats: JobStats, llm, before) -> dict:
-    e = llm.stats
-    prefill_s, decode_s = e.prefill_s - before.prefill_s, e.decode_s - before.decode_s
-    prefill_tokens, generated = e.prefill_tokens - before.prefill_tokens, e.generated_tokens - before.generated_tokens
-    steps = e.decode_steps - before.decode_steps
-    slot_steps = e.slot_steps - before.slot_steps
+def summary(stats: JobStats, llm, before: EngineStats) -> dict:
+    """The job's summary: its lines' figures and what the engine did since `before` (its statistics then)."""
+    e = EngineStats(
+        **{f.name: getattr(llm.stats, f.name) - getattr(before, f.name) for f in dataclasses.fields(before)}
+    )
+    out = job_summary(stats, e, llm.slots)
+    out["hosts"] = _per_host(stats.wall_s, e.prefill_s, e.decode_s, e.compile_s)
+    return out
+
+
+def job_summary(stats: JobStats, e: EngineStats, slots: int) -> dict:
+    """The summary of a job whose lines `stats` counts, run by engines that did `e` with `slots` slots in all."""
     ttft = np.array(stats.ttft_ms) if stats.ttft_ms else np.zeros(1)
     wall = max(stats.wall_s, 1e-9)
     out = {
@@ -226,19 +308,18 @@ def summary(stats: JobStats, llm, before) -> dict:
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
         "wall_s": round(stats.wall_s, 3),
-        "compile_s": round(e.compile_s - before.compile_s, 3),
-        "programs": e.compiles - before.compiles,
+        "compile_s": round(e.compile_s, 3),
+        "programs": e.compiles,
         "requests_per_s": round((stats.ok + stats.failed) / wall, 3),
         "output_tokens_per_s": round(stats.completion_tokens / wall, 2),
-        "prefill_tokens_per_s": round(prefill_tokens / prefill_s, 1) if prefill_s else 0.0,
-        "decode_tokens_per_s": round(generated / decode_s, 1) if decode_s else 0.0,
+        "prefill_tokens_per_s": round(e.prefill_tokens / e.prefill_s, 1) if e.prefill_s else 0.0,
+        "decode_tokens_per_s": round(e.generated_tokens / e.decode_s, 1) if e.decode_s else 0.0,
         "ttft_ms_p50": round(float(np.percentile(ttft, 50)), 1),
         "ttft_ms_p95": round(float(np.percentile(ttft, 95)), 1),
-        "slot_occupancy": round(slot_steps / max(1, steps * llm.slots), 3),
-        "decode_steps": steps,
-        "slots": llm.slots,
+        "slot_occupancy": round(e.occupancy(slots), 3),
+        "decode_steps": e.decode_steps,
+        "slots": slots,
     }
-    out["hosts"] = _per_host(stats.wall_s, prefill_s, decode_s, e.compile_s - before.compile_s)
     return out
 
 
@@ -275,6 +356,11 @@ def print_summary(s: dict, file=sys.stderr) -> None:
         f"decode {s['decode_tokens_per_s']:.1f} tok/s",
         f"latency: TTFT p50 {s['ttft_ms_p50']:.0f} ms, p95 {s['ttft_ms_p95']:.0f} ms; slot occupancy "
         f"{100 * s['slot_occupancy']:.0f}% of {s['slots']} slots",
+    ]
+    lines += [
+        f"replica {r['replica']} ({r['node']}, pid {r['pid']}): {r['lines']} lines, {r['output_tok_s']:.1f} output "
+        f"tok/s, busy {100 * r['busy_share']:.0f}%, {r['restarts']} restarts"
+        for r in s.get("replicas", [])
     ]
     if len(s["hosts"]) > 1:
         lines += [

@@ -193,12 +193,12 @@ class Engineless:
 
 def test_an_unexpected_failure_is_that_lines_internal_error(tmp_path):
     from jaxllama.batch.progress import Progress
-    from jaxllama.batch.runner import JobStats, _JobOnEngine
+    from jaxllama.batch.runner import JobOnEngine, JobStats, Tally
 
     out, llm, stats = tmp_path / "out.jsonl", Engineless(), JobStats()
     pipeline = RequestPipeline(Characters(), SamplingParams(), output_options=False)
     with OrderedWriter(out, [1, 2]) as writer:
-        batch = _JobOnEngine(llm, pipeline, writer, stats, Progress(2, quiet=True))
+        batch = JobOnEngine(llm, pipeline, Tally(writer, stats, Progress(2, quiet=True)).add)
         batch.submit(read_line('{"id": "a", "prompt": "boom"}', 1))
         batch.submit(read_line('{"id": "b", "prompt": "fine"}', 2))
     assert llm.submitted == [2] and stats.failed == 1

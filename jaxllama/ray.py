@@ -1,0 +1,303 @@
+"""A job over many hosts as independent replicas of the engine, on Ray: the one module that knows Ray.
+
+`run_job_on_ray` is `jaxllama run JOB --ray ADDRESS --replicas N`: this process (the driver) reads the job, keeps
+what an earlier run finished and writes every record in order through the same writer and journal as a one-process
+job (`batch/runner.answer_job`); N Ray actors (`Replica`), each one engine over the devices Ray gives it (a host's
+TPU chips, some GPUs, or CPU cores), answer blocks of lines (`batch/dispatch.py`: which block goes where, what
+becomes of a dead replica's lines). The driver touches no device. A replica that dies is restarted by Ray and its
+lines go to whichever replica asks next; a driver that dies is a resume, as for any job.
+
+`Answerer` is the same replica for a Ray Data pipeline: `dataset.map_batches(Answerer, fn_constructor_kwargs=...,
+concurrency=N)` maps rows holding a prompt or messages (and any sampling fields) to rows with their answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from collections.abc import Hashable
+from pathlib import Path
+
+import numpy as np
+
+from jaxllama.batch.dispatch import Dispatcher
+from jaxllama.batch.jobs import JobLine
+from jaxllama.batch.replica import ReplicaLoop
+from jaxllama.batch.runner import Answered, JobOptions, JobStats, Tally, answer_job, job_summary
+from jaxllama.engine.options import EngineOptions
+from jaxllama.engine.stats import EngineStats
+
+MISSING = "Ray is not installed: pip install -e '.[ray]' (or pip install 'jaxllama[ray]')"
+BLOCKS_IN_FLIGHT = 3  # per replica: its engine starts the next block's lines while the last of one end
+RESTARTS = 4  # a replica's restarts by Ray before it is given up
+
+
+def import_ray():
+    """Ray, or an ImportError naming the extra that installs it."""
+    try:
+        import ray
+    except ImportError:
+        raise ImportError(MISSING) from None
+    return ray
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSpec:
+    """What each replica loads: the model (a path, a name of the model cache, None for the default) and how."""
+
+    model: str | None = None
+    options: EngineOptions = dataclasses.field(default_factory=EngineOptions)
+    mesh: str | None = None
+    dtype: str | None = None
+    chat_template: str | None = None
+    eos_ids: tuple[int, ...] = ()
+
+    def load(self):
+        from jaxllama.default_model import resolve_model
+        from jaxllama.llm import LLM
+
+        path = resolve_model(self.model, progress=False)
+        return LLM.load(
+            path,
+            self.options,
+            mesh=self.mesh,
+            chat_template=self.chat_template,
+            extra_eos_ids=list(self.eos_ids),
+            dtype=self.dtype,
+        )
+
+
+class Replica:
+    """One engine answering blocks of a job's lines (a Ray actor's class: `ray.remote(Replica)`)."""
+
+    def __init__(self, spec: ReplicaSpec, options: JobOptions):
+        self.loop = ReplicaLoop(spec.load(), options)
+
+    def describe(self) -> dict:
+        import jax
+
+        devices = jax.devices()
+        return {"node": socket.gethostname(), "pid": os.getpid(), "devices": f"{len(devices)} {devices[0].platform}"}
+
+    def answer(self, lines: list[JobLine]) -> tuple[list[Answered], int, float]:
+        """The block's records, this process's id and the seconds its engine has been busy."""
+        answers = self.loop.answer(lines)
+        return answers, os.getpid(), self.loop.stats.busy_s
+
+    def engine_stats(self) -> tuple[EngineStats, int]:
+        return self.loop.llm.stats, self.loop.llm.slots
+
+
+@dataclasses.dataclass
+class _Seat:
+    """A replica as the driver sees it: its actor, what it has in flight, and its figures over its restarts."""
+
+    index: int
+    actor: object
+    about: dict
+    in_flight: dict = dataclasses.field(default_factory=dict)  # object ref -> block
+    busy_s: dict = dataclasses.field(default_factory=dict)  # by process id: that incarnation's busy seconds
+    lines: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    restarts: int = 0
+    loading: object = None  # a restarted replica's first call, until its model is loaded
+    dead: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return not self.dead and self.loading is None
+
+    def figures(self, wall_s: float) -> dict:
+        busy = sum(self.busy_s.values())
+        return {
+            "replica": self.index,
+            **self.about,
+            "lines": self.lines,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "output_tok_s": round(self.completion_tokens / busy, 2) if busy else 0.0,
+            "busy_share": round(min(1.0, busy / max(wall_s, 1e-9)), 3),
+            "restarts": self.restarts,
+        }
+
+
+def connect(address: str | None = "local", num_cpus: int | None = None):
+    """Join the Ray cluster at `address` ("auto": the one this host belongs to), or start one on this host
+    ("local", None)."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        local = address in (None, "local")
+        ray.init(address=None if local else address, num_cpus=num_cpus if local else None, include_dashboard=False)
+    return ray
+
+
+def replica_resources(ray, replicas: int) -> dict:
+    """Each replica's share of the cluster: its TPU chips or GPUs where there are, else its CPU cores (and as
+    many threads for the CPU kernels)."""
+    total = ray.cluster_resources()
+    if total.get("TPU"):
+        return {"num_cpus": 1, "resources": {"TPU": total["TPU"] // replicas}}
+    if total.get("GPU"):
+        return {"num_cpus": 1, "num_gpus": total["GPU"] // replicas}
+    cores = max(1, int(total.get("CPU", 1)) // replicas)
+    env = {"JAXLLAMA_KERNEL_THREADS": str(cores), "JAX_PLATFORMS": "cpu"}  # no accelerator plugin is probed
+    return {"num_cpus": cores, "runtime_env": {"env_vars": env}}
+
+
+def run_job_on_ray(
+    job: Path,
+    output: Path | None,
+    options: JobOptions,
+    spec: ReplicaSpec,
+    replicas: int,
+    address: str | None = "local",
+    block_lines: int | None = None,
+    replica_class: type = Replica,
+) -> tuple[JobStats, dict]:
+    """Run a job file on `replicas` replicas of `spec` on a Ray cluster (`connect`'s `address`). Blocks of
+    `block_lines` lines (default: half a replica's slots); `replica_class`: `Replica` or one like it. Returns (job
+    statistics, summary dict: `run_job`'s, with "replicas": their figures). Raises what `run_job` raises, and
+    RuntimeError when every replica is lost."""
+    ray = connect(address)
+    block = block_lines or max(1, spec.options.max_slots // 2)
+    actor_class = ray.remote(max_restarts=0, max_concurrency=BLOCKS_IN_FLIGHT + 1)(replica_class)
+    seats: list[_Seat] = []
+    start = time.perf_counter()
+
+    def answer(lines: list[JobLine], tally: Tally) -> None:
+        if not lines:
+            return
+        resources = replica_resources(ray, replicas)
+        new = lambda: actor_class.options(**resources).remote(spec, options)  # noqa: E731
+
+        def restart(seat: _Seat) -> None:
+            ray.kill(seat.actor)
+            if seat.restarts == RESTARTS:
+                seat.dead = True
+                return
+            seat.restarts += 1
+            seat.actor = new()
+            seat.loading = seat.actor.describe.remote()
+
+        actors = [new() for _ in range(replicas)]
+        abouts = ray.get([a.describe.remote() for a in actors])  # each model loaded, or its failure raised here
+        seats.extend(_Seat(i, a, about) for i, (a, about) in enumerate(zip(actors, abouts, strict=True)))
+        _drive(ray, Dispatcher(lines, block), seats, tally, restart)
+
+    stats = answer_job(job, output, options, answer, agree=False)
+    wall = time.perf_counter() - start
+    engines, slots = EngineStats(), 0
+    for seat in seats:
+        if seat.dead:
+            continue
+        try:
+            e, n = ray.get(seat.actor.engine_stats.remote())
+        except ray.exceptions.RayError:
+            continue
+        engines = EngineStats(**{f.name: getattr(engines, f.name) + getattr(e, f.name) for f in dataclasses.fields(e)})
+        slots += n
+    out = job_summary(stats, engines, slots)
+    out["hosts"] = []
+    out["replicas"] = [seat.figures(wall) for seat in seats]
+    for seat in seats:
+        ray.kill(seat.actor)
+    return stats, out
+
+
+def _drive(ray, dispatcher: Dispatcher, seats: list[_Seat], tally: Tally, restart) -> None:
+    """Keep every live replica fed with blocks until every line is answered."""
+    while not dispatcher.finished:
+        for seat in seats:
+            while seat.ready and len(seat.in_flight) < BLOCKS_IN_FLIGHT:
+                lines = dispatcher.next_block(seat.index, busy=bool(seat.in_flight))
+                if lines is None:
+                    break
+                seat.in_flight[seat.actor.answer.remote(lines)] = lines
+        refs = {ref: seat for seat in seats for ref in [*seat.in_flight, *filter(None, [seat.loading])]}
+        if not refs:
+            raise RuntimeError(
+                f"every replica was lost; {dispatcher.unfinished} lines unanswered (run again to resume)"
+            )
+        ready, _ = ray.wait(list(refs), num_returns=1)
+        for ref in ready:
+            seat = refs[ref]
+            if ref is seat.loading:  # a restarted replica
+                seat.loading = None
+                try:
+                    seat.about = ray.get(ref)
+                except ray.exceptions.RayError:
+                    _lost(seat, dispatcher, tally, restart)
+                continue
+            if ref not in seat.in_flight:  # its replica was lost, its lines handed back already
+                continue
+            try:
+                answers, pid, busy_s = ray.get(ref)
+            except ray.exceptions.RayError:  # the process died, or its engine stopped
+                _lost(seat, dispatcher, tally, restart)
+                continue
+            seat.in_flight.pop(ref)
+            seat.busy_s[pid] = busy_s
+            for a in answers:
+                tally.add(a)
+                seat.lines += 1
+                seat.prompt_tokens += a.prompt_tokens
+                seat.completion_tokens += a.completion_tokens
+            dispatcher.done(seat.index, answers)
+
+
+def _lost(seat: _Seat, dispatcher: Dispatcher, tally: Tally, restart) -> None:
+    """A replica died (or its engine stopped): the lines it had go back to the dispatcher (or, out of tries, become
+    error records), and a new replica takes its seat, up to RESTARTS times."""
+    for block in seat.in_flight.values():
+        for a in dispatcher.lost(seat.index, block):
+            tally.add(a)
+    seat.in_flight.clear()
+    restart(seat)
+
+
+class Answerer:
+    """A replica for Ray Data: `dataset.map_batches(Answerer, fn_constructor_kwargs={"model": ...}, concurrency=N,
+    batch_size=64)`. Each row holds "messages" (a chat) or "prompt" (a completion), and optionally any field a job
+    line takes (max_tokens, temperature, seed, stop, ...); the rows come back with "answer" (the generated text, or
+    None), "finish_reason", "prompt_tokens", "completion_tokens" and "error" (None, or what was wrong with the row).
+    `model` and the keywords are `ReplicaSpec`'s and `JobOptions`' (`defaults`, `stop`, `system_prompt`)."""
+
+    def __init__(self, model: str | None = None, options: EngineOptions | None = None, **job_options):
+        spec = ReplicaSpec(model, options or EngineOptions())
+        self.loop = ReplicaLoop(spec.load(), JobOptions(quiet=True, **job_options))
+        self._numbered = 0
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+        lines = [
+            JobLine(self._numbered + i + 1, self._numbered + i + 1, False, _plain(row)) for i, row in enumerate(rows)
+        ]
+        self._numbered += len(rows)
+        by_number = {a.number: a for a in self.loop.answer(lines)}
+        out = {k: list(v) for k, v in batch.items()}
+        columns = {"answer": [], "finish_reason": [], "prompt_tokens": [], "completion_tokens": [], "error": []}
+        for line in lines:
+            record = by_number[line.number].record
+            error = record.get("error")
+            message = record.get("message")
+            columns["answer"].append(message["content"] if message else record.get("text"))
+            columns["finish_reason"].append(record.get("finish_reason"))
+            columns["prompt_tokens"].append(record.get("usage", {}).get("prompt_tokens", 0))
+            columns["completion_tokens"].append(record.get("usage", {}).get("completion_tokens", 0))
+            columns["error"].append(None if error is None else error["message"])
+        return {k: np.asarray(v, dtype=object) for k, v in {**out, **columns}.items()}
+
+
+def _plain(row: dict) -> dict:
+    """A Ray Data row as a job line's object: numpy values as the JSON values they stand for."""
+    out: dict[Hashable, object] = {}
+    for k, v in row.items():
+        if isinstance(v, np.ndarray):
+            v = [_plain(x) if isinstance(x, dict) else x for x in v.tolist()]
+        elif isinstance(v, np.generic):
+            v = v.item()
+        out[k] = v
+    return out
