@@ -30,7 +30,9 @@ from jaxllama.engine.options import EngineOptions
 from jaxllama.engine.stats import EngineStats
 
 MISSING = "Ray is not installed: pip install -e '.[ray]' (or pip install 'jaxllama[ray]')"
-BLOCKS_IN_FLIGHT = 3  # per replica: its engine starts the next block's lines while the last of one end
+# Per replica, lines in flight: its slots' worth and a block more, so that its engine starts a line as soon as one
+# ends, and few lines wait on a replica while another has nothing to do.
+BLOCK_OF_SLOTS = 8  # a block: this share of a replica's slots
 RESTARTS = 4  # a replica's restarts by Ray before it is given up
 
 
@@ -158,14 +160,15 @@ def run_job_on_ray(
     replica_class: type = Replica,
 ) -> tuple[JobStats, dict]:
     """Run a job file on `replicas` replicas of `spec` on a Ray cluster (`connect`'s `address`). Blocks of
-    `block_lines` lines (default: half a replica's slots); `replica_class`: `Replica` or one like it. Returns (job
-    statistics, summary dict: `run_job`'s, with "replicas": their figures). Raises what `run_job` raises, and
-    RuntimeError when every replica is lost."""
+    `block_lines` lines (default: an eighth of a replica's slots); `replica_class`: `Replica` or one like it.
+    Returns (job statistics, summary dict: `run_job`'s, with "replicas": their figures). Raises what `run_job`
+    raises, and RuntimeError when every replica is lost."""
     ray = connect(address)
-    block = block_lines or max(1, spec.options.max_slots // 2)
-    actor_class = ray.remote(max_restarts=0, max_concurrency=BLOCKS_IN_FLIGHT + 1)(replica_class)
+    block = block_lines or max(1, spec.options.max_slots // BLOCK_OF_SLOTS)
+    in_flight = -(-spec.options.max_slots // block) + 1
+    actor_class = ray.remote(max_restarts=0, max_concurrency=in_flight + 1)(replica_class)
     seats: list[_Seat] = []
-    start = time.perf_counter()
+    start, loaded = time.perf_counter(), []
 
     def answer(lines: list[JobLine], tally: Tally) -> None:
         if not lines:
@@ -184,8 +187,9 @@ def run_job_on_ray(
 
         actors = [new() for _ in range(replicas)]
         abouts = ray.get([a.describe.remote() for a in actors])  # each model loaded, or its failure raised here
+        loaded.append(time.perf_counter() - start)
         seats.extend(_Seat(i, a, about) for i, (a, about) in enumerate(zip(actors, abouts, strict=True)))
-        _drive(ray, Dispatcher(lines, block), seats, tally, restart)
+        _drive(ray, Dispatcher(lines, block), seats, tally, restart, in_flight)
 
     stats = answer_job(job, output, options, answer, agree=False)
     wall = time.perf_counter() - start
@@ -201,17 +205,18 @@ def run_job_on_ray(
         slots += n
     out = job_summary(stats, engines, slots)
     out["hosts"] = []
+    out["replicas_loaded_s"] = round(loaded[0], 3) if loaded else 0.0  # of wall_s: starting the replicas
     out["replicas"] = [seat.figures(wall) for seat in seats]
     for seat in seats:
         ray.kill(seat.actor)
     return stats, out
 
 
-def _drive(ray, dispatcher: Dispatcher, seats: list[_Seat], tally: Tally, restart) -> None:
-    """Keep every live replica fed with blocks until every line is answered."""
+def _drive(ray, dispatcher: Dispatcher, seats: list[_Seat], tally: Tally, restart, in_flight: int) -> None:
+    """Keep every live replica fed with up to `in_flight` blocks until every line is answered."""
     while not dispatcher.finished:
         for seat in seats:
-            while seat.ready and len(seat.in_flight) < BLOCKS_IN_FLIGHT:
+            while seat.ready and len(seat.in_flight) < in_flight:
                 lines = dispatcher.next_block(seat.index, busy=bool(seat.in_flight))
                 if lines is None:
                     break
@@ -260,18 +265,24 @@ def _lost(seat: _Seat, dispatcher: Dispatcher, tally: Tally, restart) -> None:
 
 class Answerer:
     """A replica for Ray Data: `dataset.map_batches(Answerer, fn_constructor_kwargs={"model": ...}, concurrency=N,
-    batch_size=64)`. Each row holds "messages" (a chat) or "prompt" (a completion), and optionally any field a job
-    line takes (max_tokens, temperature, seed, stop, ...); the rows come back with "answer" (the generated text, or
-    None), "finish_reason", "prompt_tokens", "completion_tokens" and "error" (None, or what was wrong with the row).
-    `model` and the keywords are `ReplicaSpec`'s and `JobOptions`' (`defaults`, `stop`, `system_prompt`)."""
+    batch_size=64, batch_format="pyarrow")` (pyarrow keeps a column of integers with gaps integers; numpy's batches
+    make them floats, which a line's integer fields refuse). Each row holds "messages" (a chat) or "prompt" (a
+    completion), and optionally any field a job line takes (max_tokens, temperature, seed, stop, ...); the rows come
+    back with "answer" (the generated text, or None), "finish_reason", "prompt_tokens", "completion_tokens" and
+    "error" (None, or what was wrong with the row). `model` and `options` are `ReplicaSpec`'s, the other keywords
+    `JobOptions`' (`defaults`, `stop`, `system_prompt`)."""
 
     def __init__(self, model: str | None = None, options: EngineOptions | None = None, **job_options):
         spec = ReplicaSpec(model, options or EngineOptions())
         self.loop = ReplicaLoop(spec.load(), JobOptions(quiet=True, **job_options))
         self._numbered = 0
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+    def __call__(self, batch) -> dict[str, np.ndarray]:
+        if hasattr(batch, "to_pylist"):  # batch_format="pyarrow": a field a row lacks is None, an integer an int
+            rows = batch.to_pylist()
+            batch = {name: batch.column(name).to_pylist() for name in batch.column_names}
+        else:  # numpy: a field a row lacks is None, or NaN in a column of numbers
+            rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
         lines = [
             JobLine(self._numbered + i + 1, self._numbered + i + 1, False, _plain(row)) for i, row in enumerate(rows)
         ]
@@ -292,9 +303,12 @@ class Answerer:
 
 
 def _plain(row: dict) -> dict:
-    """A Ray Data row as a job line's object: numpy values as the JSON values they stand for."""
+    """A Ray Data row as a job line's object: numpy values as the JSON values they stand for; a field the row has
+    only because other rows have it (None) left out."""
     out: dict[Hashable, object] = {}
     for k, v in row.items():
+        if v is None or (isinstance(v, float | np.floating) and np.isnan(v)):
+            continue
         if isinstance(v, np.ndarray):
             v = [_plain(x) if isinstance(x, dict) else x for x in v.tolist()]
         elif isinstance(v, np.generic):

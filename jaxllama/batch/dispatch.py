@@ -45,6 +45,13 @@ def affinity(line: JobLine) -> Hashable:
         return None
 
 
+def _longest_first(line: JobLine) -> tuple[float, int]:
+    obj = line.obj if isinstance(line.obj, dict) else {}
+    body = obj.get("body", obj) if line.openai else obj
+    wanted = body.get("max_tokens", body.get("max_completion_tokens")) if isinstance(body, dict) else None
+    return (-wanted if isinstance(wanted, int | float) else -float("inf"), line.number)
+
+
 class Dispatcher:
     """Blocks of lines for replicas, by `next_block(replica, busy)`, until every line is answered (`done`) or out
     of tries (`lost`)."""
@@ -64,10 +71,12 @@ class Dispatcher:
             group.append(line)
             if len(group) == self.block_lines:
                 blocks.append((kind, by_kind.pop(kind)))
-        # What is left of each kind (most lines, where few start alike) goes out mixed, in the job's order.
-        rest = sorted((line for group in by_kind.values() for line in group), key=lambda line: line.number)
+        # What is left of each kind (most lines, where few start alike) goes out mixed, longest first (by
+        # max_tokens), as one engine takes a whole job's lines: the job then ends with short lines on every
+        # replica, not with one replica's long tail while the others wait.
+        rest = sorted((line for group in by_kind.values() for line in group), key=_longest_first)
         blocks += [(None, rest[i : i + self.block_lines]) for i in range(0, len(rest), self.block_lines)]
-        blocks.sort(key=lambda b: b[1][0].number)  # in the job's order, as far as the kinds allow
+        blocks.sort(key=lambda b: _longest_first(b[1][0]))
         self._pending = collections.deque(blocks)
 
     @property

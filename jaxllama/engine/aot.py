@@ -253,6 +253,8 @@ def target_devices(topology: str | None):
 
         devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
     except Exception as e:
+        if "lockfile" in str(e).lower():  # libtpu lets one process at a time use it
+            raise ValueError(f"topology {topology!r}: another process on this host holds libtpu ({e})") from None
         raise ValueError(
             f"topology {topology!r}: {e}. Names look like v5e:2x4, v6e:4x4 or v5p:2x2x2; compiling for a TPU "
             "topology needs libtpu (pip install -e '.[tpu]')"

@@ -108,7 +108,8 @@ def test_two_replicas_write_the_records_one_process_writes(cluster, tiny_chat_ch
     from jaxllama.ray import ReplicaSpec, run_job_on_ray
 
     job = write_job(tmp_path / "job.jsonl", LINES)
-    assert jaxllama("run", job, "--model", tiny_chat_checkpoint, "--max-batch", "4", "--output", tmp_path / "one.jsonl")
+    one = jaxllama("run", job, "--model", tiny_chat_checkpoint, "--max-batch", "4", "--output", tmp_path / "one.jsonl")
+    assert one.returncode == 1  # the bad line
     spec = ReplicaSpec(str(tiny_chat_checkpoint), EngineOptions(max_slots=4))
     settings = job_settings(str(tiny_chat_checkpoint), SamplingParams(), [], None)
     stats, summary = run_job_on_ray(
@@ -200,3 +201,35 @@ def test_ray_without_its_extra_is_refused_naming_the_extra(tiny_chat_checkpoint,
     done = jaxllama_here("run", job, "--model", tiny_chat_checkpoint, "--ray", "local")
     assert done.returncode == 2 and "pip install -e '.[ray]'" in done.stderr
     assert not (tmp_path / "job.out.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_ray_datas_map_batches_answers_rows_as_a_job_answers_lines(cluster, tiny_chat_checkpoint, tmp_path):
+    import ray.data
+
+    from jaxllama.ray import Answerer
+
+    rows = [{k: v for k, v in line.items() if k != "n"} for line in LINES if line["id"] not in ("bad", "chat")]
+    rows.append({"id": "bad", "prompt": "x", "max_tokens": -1})
+    job = write_job(tmp_path / "job.jsonl", rows)
+    assert jaxllama("run", job, "--model", tiny_chat_checkpoint, "--max-batch", "4").returncode == 1  # the bad line
+    expected = {r["id"]: r for r in read(tmp_path / "job.out.jsonl")}
+    answers = (
+        ray.data.from_items(rows)
+        .map_batches(
+            Answerer,
+            fn_constructor_kwargs={"model": str(tiny_chat_checkpoint), "options": EngineOptions(max_slots=4)},
+            concurrency=1,
+            batch_size=4,
+            batch_format="pyarrow",
+        )
+        .take_all()
+    )
+    assert sorted(a["id"] for a in answers) == sorted(r["id"] for r in rows)
+    for a in answers:
+        want = expected[a["id"]]
+        if a["id"] == "bad":
+            assert a["answer"] is None and a["error"] == want["error"]["message"]
+        else:
+            assert (a["answer"], a["finish_reason"], a["error"]) == (want["text"], want["finish_reason"], None)
+            assert a["completion_tokens"] == want["usage"]["completion_tokens"]
