@@ -343,7 +343,13 @@ def save(root: Path, name: str, params) -> None:
         # The stamp of the file as written: renaming its folder into place leaves it as it is.
         stamp = file_stamp(os.stat(tmp / WEIGHTS))
         _write_index(tmp, {"format": FORMAT, "tree": tree, "stamp": stamp, "arrays": arrays})
-        os.replace(tmp, root / name)
+        try:
+            os.replace(tmp, root / name)
+        except OSError:
+            if not (root / name / INDEX).exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process (a replica beside this one) kept them first
+            return
     except (OSError, ValueError, TypeError) as e:
         log.warning("could not keep the prepared weights in %s (%s)", root, e)
         shutil.rmtree(tmp, ignore_errors=True)

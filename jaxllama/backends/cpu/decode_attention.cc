@@ -90,7 +90,7 @@ void ScoreBlock(const float* q, const C* keys, int64_t hd, int64_t n, int64_t t0
     for (int h = 0; h < kV; ++h) key[h] = LoadReg(k + h * kRegLanes);
     for (int j = 0; j < kG; ++j) {
       const Reg w = jaxllama::Splat<Reg>(q[j * hd + d]);
-      for (int h = 0; h < kV; ++h) acc[j][h] += w * key[h];
+      for (int h = 0; h < kV; ++h) acc[j][h] = jaxllama::Fma(w, key[h], acc[j][h]);
     }
   }
   for (int j = 0; j < kG; ++j)
@@ -110,7 +110,7 @@ void WeighBlock(const float* p, const C* values, int64_t hd, int64_t n, int64_t 
     for (int h = 0; h < kV; ++h) value[h] = LoadReg(values + t * hd + e0 + h * kRegLanes);
     for (int j = 0; j < kG; ++j) {
       const Reg w = jaxllama::Splat<Reg>(p[j * n + t]);
-      for (int h = 0; h < kV; ++h) acc[j][h] += w * value[h];
+      for (int h = 0; h < kV; ++h) acc[j][h] = jaxllama::Fma(w, value[h], acc[j][h]);
     }
   }
   for (int j = 0; j < kG; ++j)

@@ -108,6 +108,23 @@ using RegShorts = Shorts;
 #endif
 constexpr int kRegLanes = sizeof(Reg) / sizeof(float);
 
+// acc + a x b rounded once, by an FMA instruction wherever the CPU has one: a contraction left to the compiler
+// (-ffp-contract=fast) is its choice per function, and a kernel's instantiations for different group sizes must
+// round alike for a query's result not to depend on what shares its call.
+inline Reg Fma(Reg a, Reg b, Reg acc) {
+#if defined(JAXLLAMA_WIDE)
+  return reinterpret_cast<Reg>(
+      _mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b), reinterpret_cast<__m512>(acc)));
+#elif defined(__FMA__)
+  return reinterpret_cast<Reg>(
+      _mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b), reinterpret_cast<__m256>(acc)));
+#else
+  Reg out;
+  for (int i = 0; i < kRegLanes; ++i) out[i] = std::fma(a[i], b[i], acc[i]);
+  return out;
+#endif
+}
+
 // w8a8's quads (`matmul.cc`'s Quads): acc + in each int32 lane the sum of the products of 4 weights, stored as
 // unsigned bytes (the int8 weight + 128), and 4 signed input bytes. With VNNI, vpdpbusd multiplies them as they are
 // and the sum counts 128 x the inputs' sum too, which the tile takes off (kSignedQuads false). On AVX2 without it,
