@@ -150,6 +150,7 @@ CODES = [
     (E.UnsupportedEndpoint, "invalid_url", 400),
     (E.QueueFull, "queue_full", 429),
     (E.EngineUnavailable, "engine_unavailable", 503),
+    (E.ReplicaLost, "replica_lost", 503),
     (E.ClientClosed, "client_closed", 499),
     (E.CheckpointError, "model_error", 503),
     (E.ModelTooLarge, "model_too_large", 503),

@@ -55,7 +55,7 @@ ERRORS: dict[type[BaseException], ErrorKind] = {
     QueueFull: ErrorKind("queue_full", 429, "rate_limit_error"),
     EngineUnavailable: ErrorKind("engine_unavailable", 503, "server_error"),
     ClientClosed: ErrorKind("client_closed", 499),
-    ReplicaLost: ErrorKind("replica_lost", 500, "server_error"),
+    ReplicaLost: ErrorKind("replica_lost", 503, "server_error"),
     CheckpointError: ErrorKind("model_error", 503, "server_error"),
     ModelTooLarge: ErrorKind("model_too_large", 503, "server_error"),
     # The engine's own options (a load's), not the request's: the service is misconfigured.
