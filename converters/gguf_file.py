@@ -1,8 +1,10 @@
 """GGUF files (llama.cpp): metadata under `{arch}.*`, tensors `token_embd`, `blk.N.*`, `output_norm`, `output`.
 
 Every tensor type the `gguf` library dequantizes is accepted (F32, F16, BF16, Q8_0, Q4_0, Q4_1, K-quants,
-...); Q8_0 and Q4_0 tensors can also be read as the blocks they are (`read_blocks`). llama.cpp's converter
-already permuted q/k back to Meta's interleaved rotary layout, so they are used as they are. A `rope_freqs`
+...); Q8_0 and Q4_0 tensors can also be read as the blocks they are (`read_blocks`). The family is the one
+`jaxllama.models` registers for `general.architecture`. For a Llama, llama.cpp's converter already permuted q/k back
+to Meta's interleaved rotary layout, so they are used as they are; a family whose llama.cpp rope rotates halves (Qwen)
+keeps Hugging Face's order, undone here as for a Hugging Face folder. A `rope_freqs`
 tensor (Llama 3.1 rope scaling as llama.cpp stores it) becomes `ModelConfig.rope_freq_factors`. The tokenizer
 is rebuilt from the file's vocabulary (`jaxllama.text.gguf_vocab`), so the converted checkpoint needs nothing
 but itself.
@@ -17,23 +19,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from converters.layout import ConversionError, config_error
+from converters.layout import ConversionError, config_error, rotary_heads, unpermute_rotary
 from converters.quantize import NATIVE
+from jaxllama import models
 from jaxllama.core.blocks import Blocks, from_gguf
 from jaxllama.core.config import ModelConfig
-
-SUPPORTED_ARCHITECTURES = ("llama",)
-_LAYER_KEYS = {
-    "wq": "attn_q",
-    "wk": "attn_k",
-    "wv": "attn_v",
-    "wo": "attn_output",
-    "w1": "ffn_gate",
-    "w3": "ffn_up",
-    "w2": "ffn_down",
-    "attention_norm": "attn_norm",
-    "mlp_norm": "ffn_norm",
-}
 
 
 def is_gguf(path: Path) -> bool:
@@ -80,10 +70,10 @@ class GGUFSource:
 
     def _config(self) -> ModelConfig:
         arch = self.field("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ConversionError(
-                f"{self.path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        self.family = models.for_gguf(arch)
+        if self.family is None:
+            supported = ", ".join(f.gguf_architecture for f in models.FAMILIES.values())
+            raise ConversionError(f"{self.path}: unsupported architecture {arch!r} (supported: {supported})")
         try:
             n_heads = int(self.field(f"{arch}.attention.head_count"))
             dim = int(self.field(f"{arch}.embedding_length"))
@@ -110,21 +100,21 @@ class GGUFSource:
                 max_seq_len=int(self.field(f"{arch}.context_length", 4096)),
                 tie_embeddings="output.weight" not in self.tensors,
                 dtype="float32",
+                family=self.family.name,
             )
         except TypeError:
             raise ConversionError(f"{self.path}: required {arch}.* metadata is missing") from None
         except ValueError as e:
             raise config_error(str(self.path), e, self.config_names) from None
 
-    def _key(self, name: str) -> str:
-        if name == "embedding":
-            return "token_embd.weight"
-        if name == "norm":
-            return "output_norm.weight"
-        if name == "output":
-            return "output.weight"
-        layer, _, kind = name.partition("/")
-        return f"blk.{layer.removeprefix('layers_')}.{_LAYER_KEYS[kind]}.weight"
+    def _key(self, name: str) -> str | None:
+        d = models.declared(self.config, name)
+        return d and d.gguf
+
+    def _rotary_heads(self, name: str) -> int | None:
+        """Over how many heads the tensor's rows are in Hugging Face's rotary order, which a family whose llama.cpp
+        rope rotates halves keeps (`Family.gguf_rotary_halves`); None where they are in Meta's."""
+        return rotary_heads(name, self.config) if self.family.gguf_rotary_halves else None
 
     def locate(self, name: str) -> str:
         return f"{self.path}: {self._key(name)}"
@@ -154,14 +144,14 @@ class GGUFSource:
         """The tensor in float32 (dequantized)."""
         w = self._dequantize(self._key(name))
         self._release()
-        return w
+        return w if (heads := self._rotary_heads(name)) is None else unpermute_rotary(w, heads)
 
     def read_blocks(self, name: str) -> Blocks:
         """A tensor stored in a block type jaxllama keeps (`quantize.NATIVE`), as those blocks: copied, not decoded."""
         t = self.tensors[self._key(name)]
         w = from_gguf(t.data, NATIVE[t.tensor_type], tuple(int(d) for d in reversed(t.shape)))
         self._release()
-        return w
+        return w if (heads := self._rotary_heads(name)) is None else unpermute_rotary(w, heads)
 
     def _release(self) -> None:
         # The reader maps the whole file; drop the pages read so far from this process, or a converted

@@ -1,8 +1,10 @@
 """Hugging Face folders: config.json + model.safetensors (or shards listed in model.safetensors.index.json).
 
 Hugging Face's conversion script permutes the rows of q_proj and k_proj so that rotary embeddings can
-rotate the two halves of each head; `unpermute_rotary` restores Meta's interleaved pairs (with
-n_kv_heads for k). Tensors are read one at a time, each into memory of its own (`read_tensor`).
+rotate the two halves of each head; `unpermute_rotary` restores Meta's interleaved pairs in every tensor the family
+declares `rotary` (q and k, and their biases or per-head norms where it has them). The family is the one
+`jaxllama.models` registers for config.json's `architectures`. Tensors are read one at a time, each into memory of
+its own (`read_tensor`).
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-from converters.layout import ConversionError, config_error, unpermute_rotary
+from converters.layout import ConversionError, config_error, rotary_heads, unpermute_rotary
+from jaxllama import models
 from jaxllama.core.config import ModelConfig, RopeScaling
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -27,17 +29,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-_LAYER_KEYS = {
-    "wq": "self_attn.q_proj",
-    "wk": "self_attn.k_proj",
-    "wv": "self_attn.v_proj",
-    "wo": "self_attn.o_proj",
-    "w1": "mlp.gate_proj",
-    "w3": "mlp.up_proj",
-    "w2": "mlp.down_proj",
-    "attention_norm": "input_layernorm",
-    "mlp_norm": "post_attention_layernorm",
-}
 # ModelConfig's fields by the names config.json gives them, for messages.
 CONFIG_NAMES = {
     "vocab_size": "vocab_size",
@@ -62,18 +53,21 @@ def is_hf(path: Path) -> bool:
 
 def config_from_hf(cfg: dict, where: str) -> ModelConfig:
     """Map a Hugging Face config.json onto ModelConfig; unsupported models are refused by name."""
-    archs = cfg.get("architectures") or []
-    if cfg.get("model_type") not in ("llama", "mistral") or (archs and archs[0] not in SUPPORTED_ARCHITECTURES):
+    archs = cfg.get("architectures") or [None]
+    family = models.for_hf(archs[0], cfg.get("model_type"))
+    if family is None:
         raise ConversionError(
-            f"{where}: unsupported architecture {archs[0] if archs else cfg.get('model_type')!r} "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"{where}: unsupported architecture {archs[0] or cfg.get('model_type')!r} "
+            f"(supported: {', '.join(models.hf_architectures())})"
         )
     window, positions = cfg.get("sliding_window"), cfg.get("max_position_embeddings")
-    if isinstance(window, int) and isinstance(positions, int) and window < positions:
+    windowed = cfg.get("use_sliding_window", True)  # Qwen's configs name a window they do not use
+    if windowed and isinstance(window, int) and isinstance(positions, int) and window < positions:
         raise ConversionError(f"{where}: sliding-window attention is not supported")
-    for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
-            raise ConversionError(f"{where}: {key}=true is not supported")
+    if cfg.get("attention_bias") and family.name != "qwen2":  # Qwen2's biases need no flag: every layer has them
+        raise ConversionError(f"{where}: attention_bias=true is not supported for {family.name}")
+    if cfg.get("mlp_bias"):
+        raise ConversionError(f"{where}: mlp_bias=true is not supported")
     try:
         rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5
         rope.update(cfg.get("rope_scaling") or {})
@@ -111,6 +105,7 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
             max_seq_len=cfg.get("max_position_embeddings", 4096),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+            family=family.name,
         )
     except KeyError as e:
         raise ConversionError(f"{where}: field {e.args[0]!r} is missing") from None
@@ -166,15 +161,9 @@ class HFSource:
                 raise ConversionError(f"{file}: not a valid safetensors file ({e})") from None
         return where, shapes
 
-    def _key(self, name: str) -> str:
-        if name == "embedding":
-            return "model.embed_tokens.weight"
-        if name == "norm":
-            return "model.norm.weight"
-        if name == "output":
-            return "lm_head.weight"
-        layer, _, kind = name.partition("/")
-        return f"model.layers.{layer.removeprefix('layers_')}.{_LAYER_KEYS[kind]}.weight"
+    def _key(self, name: str) -> str | None:
+        d = models.declared(self.config, name)
+        return d and d.hf
 
     def locate(self, name: str) -> str:
         key = self._key(name)
@@ -192,11 +181,8 @@ class HFSource:
             w = read_tensor(file, key)
         except (OSError, ValueError, KeyError) as e:
             raise ConversionError(f"{file}: cannot read {key} ({e})") from None
-        kind = name.partition("/")[2]
-        if kind == "wq" and w.ndim == 2:
-            w = unpermute_rotary(w, self.config.n_heads)
-        elif kind == "wk" and w.ndim == 2:
-            w = unpermute_rotary(w, self.config.n_kv_heads)
+        if (heads := rotary_heads(name, self.config)) is not None:
+            w = unpermute_rotary(w, heads)
         return w
 
     def extra_files(self) -> dict[str, Path]:

@@ -1,23 +1,23 @@
 """From the (out_features, in_features) matrices of Meta's reference code to jaxllama's parameter layout (the
 same (out, in) order, with heads split out of the attention matrices).
 
-All three source formats are brought to Meta's layout first (Hugging Face's rotary permutation undone;
-GGUF tensors already are), then `to_params` reshapes them onto the shapes declared in
-`jaxllama.core.model`. A source yields tensors under the canonical names below, one layer at a time.
-
-Canonical names: ``embedding``, ``norm``, ``output``, and per layer ``layers_{i}/{wq,wk,wv,wo,w1,w2,w3,
-attention_norm,mlp_norm}``.
+Every source format is brought to Meta's layout first (Hugging Face's rotary permutation undone, `unpermute_rotary`;
+a Llama GGUF's tensors already are), then `to_params` reshapes them onto the shapes their family declares
+(`jaxllama/models/`). A source yields each parameter under its flat name ("layers_0/attention/wq"), finding it in its
+files by the name the declaration gives it there, one layer at a time (`canonical_names`).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from jaxllama.core.blocks import Blocks
 from jaxllama.core.config import ConfigError, ModelConfig
+from jaxllama.core.params import block_in_dims
 from jaxllama.errors import CheckpointError
-
-LAYER_TENSORS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "attention_norm", "mlp_norm")
+from jaxllama.models import declarations
 
 
 class ConversionError(CheckpointError):
@@ -36,10 +36,10 @@ def check_source(source, config: ModelConfig) -> None:
     anything is allocated or written: a config that says 10^6 layers, or a width its embedding does not have,
     is refused naming the field instead of being converted for hours.
 
-    `source` gives `shape(name)` (a canonical tensor's shape in Meta's layout, None when absent),
+    `source` gives `shape(name)` (a parameter's shape in Meta's layout, None when absent),
     `locate(name)`, `config_file` and `config_names` (our config field -> the source's name for it)."""
     held = 0
-    while source.shape(f"layers_{held}/wq") is not None:
+    while source.shape(f"layers_{held}/attention/wq") is not None:
         held += 1
     if held != config.n_layers:
         field = source.config_names.get("n_layers", "n_layers")
@@ -54,35 +54,11 @@ def check_source(source, config: ModelConfig) -> None:
             )
 
 
-def param_name(name: str) -> str:
-    """The jaxllama parameter a canonical tensor becomes."""
-    if name in ("embedding", "output"):
-        return name
-    if name == "norm":
-        return "norm/scale"
-    layer, _, kind = name.partition("/")
-    if kind in ("wq", "wk", "wv", "wo"):
-        return f"{layer}/attention/{kind}"
-    if kind in ("w1", "w2", "w3"):
-        return f"{layer}/mlp/{kind}"
-    if kind in ("attention_norm", "mlp_norm"):
-        return f"{layer}/{kind}/scale"
-    raise ValueError(f"unknown canonical tensor {name!r}")
-
-
-def to_params(name: str, w: np.ndarray | Blocks, config: ModelConfig) -> tuple[str, np.ndarray | Blocks]:
-    """A canonical tensor in Meta's (out, in) layout (an array, or Blocks of one input dim) -> (jaxllama parameter
-    name, the array or Blocks on its shape)."""
-    c = config
-    key = param_name(name)
-    kind = name.partition("/")[2]
-    if kind == "wq":
-        return key, _reshape(w, (c.n_heads, c.head_dim, c.dim), 1)
-    if kind in ("wk", "wv"):
-        return key, _reshape(w, (c.n_kv_heads, c.head_dim, c.dim), 1)
-    if kind == "wo":
-        return key, _reshape(w, (c.dim, c.n_heads, c.head_dim), 2)
-    return key, w
+def to_params(name: str, w: np.ndarray | Blocks, config: ModelConfig) -> np.ndarray | Blocks:
+    """A parameter in Meta's (out, in) layout (an array, or Blocks of one input dim) -> the array or Blocks on its
+    declared shape."""
+    shape, in_dims = declarations(config)[name].shape, block_in_dims(name)
+    return _reshape(w, shape, in_dims) if in_dims is not None else w.reshape(shape)
 
 
 def _reshape(w: np.ndarray | Blocks, shape: tuple[int, ...], in_dims: int):
@@ -93,36 +69,37 @@ def _reshape(w: np.ndarray | Blocks, shape: tuple[int, ...], in_dims: int):
 
 
 def expected_shape(name: str, config: ModelConfig) -> tuple[int, ...]:
-    """The Meta-layout (out, in) shape a source must provide for a canonical tensor."""
-    c = config
-    kind = name.partition("/")[2] if name.startswith("layers_") else name
-    return {
-        "embedding": (c.vocab_size, c.dim),
-        "norm": (c.dim,),
-        "output": (c.vocab_size, c.dim),
-        "wq": (c.n_heads * c.head_dim, c.dim),
-        "wk": (c.n_kv_heads * c.head_dim, c.dim),
-        "wv": (c.n_kv_heads * c.head_dim, c.dim),
-        "wo": (c.dim, c.n_heads * c.head_dim),
-        "w1": (c.ffn_dim, c.dim),
-        "w3": (c.ffn_dim, c.dim),
-        "w2": (c.dim, c.ffn_dim),
-        "attention_norm": (c.dim,),
-        "mlp_norm": (c.dim,),
-    }[kind]
+    """The Meta-layout shape a source must provide for a parameter: (out, in) for a product's weight and the
+    embedding, flat for a norm or a bias."""
+    shape, in_dims = declarations(config)[name].shape, block_in_dims(name)
+    if in_dims is None:
+        return (math.prod(shape),)
+    return (math.prod(shape[: len(shape) - in_dims]), math.prod(shape[len(shape) - in_dims :]))
 
 
-def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo Hugging Face's q/k permutation: HF's converter groups each head's rotary pairs as
-    (all first halves, all second halves); Meta's layout interleaves them (pair i = rows 2i, 2i+1)."""
-    out_features, in_features = w.shape
-    head_dim = out_features // n_heads
-    return w.reshape(n_heads, 2, head_dim // 2, in_features).transpose(0, 2, 1, 3).reshape(out_features, in_features)
+def rotary_heads(name: str, config: ModelConfig) -> int | None:
+    """Over how many heads a parameter's rows hold rotary pairs (`Declared.rotary`), or None."""
+    rotary = declarations(config)[name].rotary
+    return {None: None, "heads": config.n_heads, "kv_heads": config.n_kv_heads, "head": 1}[rotary]
+
+
+def unpermute_rotary(w: np.ndarray | Blocks, n_heads: int) -> np.ndarray | Blocks:
+    """Undo Hugging Face's q/k permutation of the rows (axis 0) of a weight, bias or per-head norm: HF's converter
+    groups each head's rotary pairs as (all first halves, all second halves); Meta's layout interleaves them
+    (pair i = rows 2i, 2i+1). Blocks are rows of blocks: their quants and scales move with their rows."""
+    if isinstance(w, Blocks):
+        return Blocks(unpermute_rotary(w.quants, n_heads), unpermute_rotary(w.scales, n_heads), w.format, w.in_shape)
+    rows, rest = w.shape[0], w.shape[1:]
+    pairs = rows // n_heads // 2
+    return w.reshape(n_heads, 2, pairs, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
 def canonical_names(config: ModelConfig) -> list[list[str]]:
-    """The tensors a source yields, grouped as it should yield them: embeddings, one group per layer, the end."""
-    groups = [["embedding"]]
-    groups += [[f"layers_{i}/{k}" for k in LAYER_TENSORS] for i in range(config.n_layers)]
-    groups.append(["norm"] + ([] if config.tie_embeddings else ["output"]))
-    return groups
+    """The parameters a source yields, grouped as it should yield them: the embedding, one group per layer, the
+    final norm and output."""
+    groups: dict[str, list[str]] = {}
+    for name in declarations(config):
+        groups.setdefault(name.split("/")[0] if name.startswith("layers_") else name, []).append(name)
+    layers = [groups.pop(f"layers_{i}") for i in range(config.n_layers)]
+    embedding = groups.pop("embedding")
+    return [embedding, *layers, [n for names in groups.values() for n in names]]

@@ -1,4 +1,5 @@
-"""Convert a Llama checkpoint (Meta download, Hugging Face folder, or GGUF file) into a jaxllama checkpoint.
+"""Convert a checkpoint of a Llama-like family (`jaxllama/models/`) from a Meta download, a Hugging Face folder or a
+GGUF file into a jaxllama checkpoint.
 
     python -m converters.llama SRC OUT [--dtype bfloat16|float16|float32] [--quantize q8_0|q4_0]
                                [--format meta|hf|gguf] [--overwrite]
@@ -32,7 +33,7 @@ from tqdm import tqdm
 from converters import CONVERTER_FILE, VERSION
 from converters.gguf_file import GGUFSource, is_gguf
 from converters.hf import HFSource, is_hf
-from converters.layout import ConversionError, canonical_names, check_source, param_name, to_params
+from converters.layout import ConversionError, canonical_names, check_source, to_params
 from converters.meta import MetaSource, is_meta
 from converters.quantize import NATIVE, gguf_form, quantize
 from jaxllama.core.checkpoint import CheckpointWriter
@@ -87,8 +88,7 @@ def convert(
         for group in groups:
             tensors = {}
             for name in group:
-                key, value = to_params(name, _read(source, name, config.form(param_name(name))), config)
-                tensors[key] = value
+                tensors[name] = to_params(name, _read(source, name, config.form(name)), config)
                 bar.update()
             writer.write(tensors)
             del tensors
@@ -106,14 +106,13 @@ def storage(source, dtype: str | None = None, quantize: str | None = None) -> Mo
     """The source's config with the form each weight will be stored in (`ModelConfig.dtype` and `stored_as`), by
     the rules of this module's docstring."""
     config = source.config
-    names = [param_name(n) for group in canonical_names(config) for n in group]
+    names = [n for group in canonical_names(config) for n in group]
     if quantize is not None:
         dense = dtype or "float32"
         forms = {n: quantize for n in names if block_in_dims(n) is not None}
     elif source.format == "gguf" and dtype is None:
         dense = "float32"
-        canonical = {param_name(n): n for group in canonical_names(config) for n in group}
-        forms = {n: gguf_form(source.tensor_type(canonical[n]), block_in_dims(n) is not None) for n in names}
+        forms = {n: gguf_form(source.tensor_type(n), block_in_dims(n) is not None) for n in names}
     else:
         dense, forms = dtype or _storage_dtype(config.dtype), {}
     config = dataclasses.replace(config, dtype=dense, stored_as={n: f for n, f in forms.items() if f != dense})
@@ -129,7 +128,7 @@ def _storage_dtype(source_dtype: str) -> str:
 
 
 def _read(source, name: str, form: str):
-    """A canonical tensor, in Meta's layout, as it will be stored: an array, or Blocks of `form` (the source's own
+    """A parameter, in Meta's layout, as it will be stored: an array, or Blocks of `form` (the source's own
     blocks where it holds them in that form, else quantized here)."""
     if form not in BLOCK_FORMATS:
         return source.read(name)

@@ -15,17 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from converters.layout import ConversionError, config_error
+from jaxllama import models
 from jaxllama.core.config import ModelConfig, RopeScaling
-
-_COLUMN_PARALLEL = {
-    "wq": "attention.wq",
-    "wk": "attention.wk",
-    "wv": "attention.wv",
-    "w1": "feed_forward.w1",
-    "w3": "feed_forward.w3",
-}
-_ROW_PARALLEL = {"wo": "attention.wo", "w2": "feed_forward.w2"}
-_REPLICATED = {"attention_norm": "attention_norm", "mlp_norm": "ffn_norm"}
 
 
 def is_meta(path: Path) -> bool:
@@ -137,20 +128,16 @@ class MetaSource:
         return tuple(sum(s[d] for s in shapes) if d == axis else shapes[0][d] for d in range(len(shapes[0])))
 
     def _key(self, name: str) -> tuple[str, int | None]:
+        """The tensor's name in the shards, and the axis they split it on (None: every shard holds it whole)."""
+        d = models.declared(self.config, name)
+        if d is None or d.meta is None:
+            return None, None
         if name == "embedding":
-            first = self._tensor(0, "tok_embeddings.weight")
-            return "tok_embeddings.weight", (0 if first.shape[1] == self.config.dim else 1)
-        if name == "norm":
-            return "norm.weight", None
-        if name == "output":
-            return "output.weight", 0
-        layer, _, kind = name.partition("/")
-        i = int(layer.removeprefix("layers_"))
-        if kind in _COLUMN_PARALLEL:
-            return f"layers.{i}.{_COLUMN_PARALLEL[kind]}.weight", 0
-        if kind in _ROW_PARALLEL:
-            return f"layers.{i}.{_ROW_PARALLEL[kind]}.weight", 1
-        return f"layers.{i}.{_REPLICATED[kind]}.weight", None
+            first = self._tensor(0, d.meta)
+            return d.meta, (0 if first.shape[1] == self.config.dim else 1)
+        if len(d.shape) == 1:  # a norm
+            return d.meta, None
+        return d.meta, (1 if d.axes[0] == "embed" else 0)  # row-parallel products give the model's width
 
     def read(self, name: str) -> np.ndarray:
         key, axis = self._key(name)

@@ -1,8 +1,10 @@
-"""Tiny random Llama checkpoints in each source format, written by the formats' own libraries.
+"""Tiny random checkpoints of each family (Llama, Qwen2, Qwen3) in each source format, written by the formats' own
+libraries.
 
-Hugging Face folders come from transformers' `LlamaForCausalLM.save_pretrained`; GGUF files from
-`gguf.GGUFWriter` with q/k permuted the way llama.cpp's converter does; Meta folders from a state
-dict in Meta's names, optionally split into model-parallel shards the way fairscale splits them.
+Hugging Face folders come from transformers' model classes (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
+`Qwen3ForCausalLM`) and `save_pretrained`; GGUF files from `gguf.GGUFWriter`, a Llama's q/k permuted the way
+llama.cpp's converter does (a Qwen's kept in Hugging Face's order, as llama.cpp's converter keeps them); Meta folders
+from a state dict in Meta's names, optionally split into model-parallel shards the way fairscale splits them.
 """
 
 from __future__ import annotations
@@ -26,9 +28,15 @@ class Tiny:
     rope_theta: float = 10000.0
     rope_scaling: bool = False  # llama3 scaling: factor 8, low 1, high 4, original context 8192
     max_pos: int = 256
+    family: str = "llama"  # or "qwen2" (q/k/v biases), "qwen3" (per-head q/k norms)
+    head_dim: int | None = None  # Qwen3's own (default: dim / heads)
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.dim // self.heads
 
     def hf_config(self):
-        from transformers import LlamaConfig
+        import transformers
 
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling:
@@ -40,7 +48,10 @@ class Tiny:
                 "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192,
             }
-        return LlamaConfig(
+        kind = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[self.family]
+        extra = {"head_dim": self.hd} if self.head_dim or self.family == "qwen3" else {}  # Qwen3's default: 128
+        return getattr(transformers, kind)(
+            **extra,
             vocab_size=self.vocab,
             hidden_size=self.dim,
             intermediate_size=self.ffn,
@@ -59,14 +70,16 @@ class Tiny:
 
 def hf_model(tiny: Tiny, seed: int = 0):
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny.hf_config()).float().eval()
-    with torch.no_grad():  # non-trivial norm weights
+    model = AutoModelForCausalLM.from_config(tiny.hf_config()).float().eval()
+    with torch.no_grad():  # non-trivial norm weights and biases
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
     return model
 
 
@@ -171,6 +184,14 @@ GGUF_LAYER_NAMES = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
+# HF layer tensors of the families that have them -> llama.cpp's (blk.N.<name>), by their full names.
+GGUF_FAMILY_NAMES = {
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
 
 
 # A mix of GGML types for write_gguf's qtypes: block quantizations of each kind, F16 and BF16.
@@ -188,10 +209,10 @@ GGUF_TYPE_MIX = {
 
 
 def write_gguf(tiny: Tiny, hf: dict[str, np.ndarray], path: Path, qtypes: dict[str, str] | None = None):
-    """A llama GGUF of the HF weights. qtypes: {substring of GGUF tensor name: GGML type name}."""
+    """A GGUF of the HF weights, of the tiny's family. qtypes: {substring of GGUF tensor name: GGML type name}."""
     import gguf
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), tiny.family)
     w.add_block_count(tiny.layers)
     w.add_context_length(tiny.max_pos)
     w.add_embedding_length(tiny.dim)
@@ -200,7 +221,10 @@ def write_gguf(tiny: Tiny, hf: dict[str, np.ndarray], path: Path, qtypes: dict[s
     w.add_head_count_kv(tiny.kv_heads)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(tiny.rope_theta)
-    w.add_rope_dimension_count(tiny.dim // tiny.heads)
+    w.add_rope_dimension_count(tiny.hd)
+    if tiny.head_dim or tiny.family == "qwen3":
+        w.add_key_length(tiny.hd)
+        w.add_value_length(tiny.hd)
     w.add_vocab_size(tiny.vocab)
     w.add_file_type(0)
     # A byte-level BPE vocabulary: 256 byte tokens, then merged pairs, then specials.
@@ -222,13 +246,15 @@ def write_gguf(tiny: Tiny, hf: dict[str, np.ndarray], path: Path, qtypes: dict[s
     for i in range(tiny.layers):
         for a, b in GGUF_LAYER_NAMES.items():
             mapping[f"model.layers.{i}.{a}.weight"] = f"blk.{i}.{b}.weight"
+        for a, b in GGUF_FAMILY_NAMES.items():
+            mapping[f"model.layers.{i}.{a}"] = f"blk.{i}.{b}"
     for hf_name, gguf_name in mapping.items():
         if hf_name not in hf or (tiny.tied and hf_name == "lm_head.weight"):
             continue
         t = hf[hf_name].astype(np.float32)
-        if ".attn_q." in gguf_name:
+        if tiny.family == "llama" and ".attn_q." in gguf_name:
             t = llamacpp_permute(t, tiny.heads)
-        elif ".attn_k." in gguf_name:
+        elif tiny.family == "llama" and ".attn_k." in gguf_name:
             t = llamacpp_permute(t, tiny.kv_heads)
         qtype = next((q for key, q in (qtypes or {}).items() if key in gguf_name), "F32")
         if t.ndim == 1:
@@ -304,14 +330,15 @@ def write_chat_gguf(path: Path, seed: int = 0, context: int = 256) -> Path:
     return path
 
 
-def copy_gguf(src: Path, dst: Path, replace=None, extra: dict | None = None) -> Path:
+def copy_gguf(src: Path, dst: Path, replace=None, extra: dict | None = None, architecture: str | None = None) -> Path:
     """Rewrite the GGUF file src as dst with the same metadata and tensors, except that `replace(tensor)` may
     return (array, raw_dtype) for a tensor to write instead (None: unchanged; raw_dtype None: from the array),
-    and `extra` {name: array} tensors are appended."""
+    `extra` {name: array} tensors are appended, and `architecture` replaces `general.architecture`."""
     import gguf
 
     reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(str(dst), "llama")
+    architecture = architecture or reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), architecture)
     for field in reader.fields.values():
         if not field.name.startswith("GGUF.") and field.name != "general.architecture":
             sub_type = field.types[-1] if len(field.types) > 1 else None
@@ -326,3 +353,29 @@ def copy_gguf(src: Path, dst: Path, replace=None, extra: dict | None = None) -> 
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def write_chatml_tokenizer(folder: Path) -> int:
+    """A byte-level BPE tokenizer.json (as Qwen's, made by the `tokenizers` library) of printable ASCII, space and
+    newline, plus ChatML's control tokens, with a ChatML template in tokenizer_config.json; returns its size. Every
+    token decodes to ASCII, so a random model's completion reads the same from any decoder."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    symbols = [chr(b) for b in range(33, 127)] + ["Ġ", "Ċ"]  # byte-level's spellings of bytes 33-126, space, \n
+    tokenizer = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(symbols)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokenizer.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHATML,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "add_bos_token": False,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return tokenizer.get_vocab_size()

@@ -61,7 +61,8 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-architecture decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP."""
+    """A decoder of the Llama kind: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP; `family` names the variant
+    (its parameters: `jaxllama/models/`)."""
 
     vocab_size: int
     dim: int
@@ -83,6 +84,8 @@ class ModelConfig:
     # BLOCK_FORMATS or another of STORAGE_DTYPES. config.json holds it as an object; here it is sorted pairs, so that
     # a config stays hashable (it is a static argument of jitted functions).
     stored_as: tuple[tuple[str, str], ...] = ()
+    # The model family (a key of `jaxllama.models.FAMILIES`): which parameters a layer has.
+    family: str = "llama"
 
     def __post_init__(self):
         # Types and ranges first: a config read from a file may hold anything, and the checks below divide.
@@ -129,21 +132,20 @@ class ModelConfig:
                     "stored_as", f"{name}: {form!r} is not one of {', '.join(STORAGE_DTYPES + BLOCK_FORMATS)}"
                 )
         self._set("stored_as", stored)
+        from jaxllama.models import FAMILIES  # the registry reads configs: imported when one is made
+
+        if self.family not in FAMILIES:
+            raise ConfigError("family", f"{self.family!r} is not one of {', '.join(FAMILIES)}")
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
 
     @property
-    def params_per_layer(self) -> int:
-        """Number of parameters of one decoder layer (its products and its two norms)."""
-        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        return attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
-
-    @property
     def n_params(self) -> int:
-        """Number of parameters (the output projection counted once when tied)."""
-        out = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.vocab_size * self.dim + self.n_layers * self.params_per_layer + self.dim + out
+        """Number of parameters (the output projection counted once when tied), as the family declares them."""
+        from jaxllama.models import declarations
+
+        return sum(math.prod(d.shape) for d in declarations(self).values())
 
     def flops_per_token(self, context: int = 0) -> float:
         """Forward FLOPs for one token attending to `context` earlier positions (2 per multiply-add)."""

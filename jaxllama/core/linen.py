@@ -1,7 +1,7 @@
 """The model's parameters as a Flax Linen module: `Llama(config, dtype).init(key)["params"]` is a random params
 pytree whose leaves are `nn.LogicallyPartitioned` (boxed with their logical axes, for Flax's partitioning tools), as
-`model.declarations` declares them. `params.init_params` unboxes and shards them. Nothing loads Flax to run a model:
-shapes and axes come from the declarations themselves.
+its family declares them (`jaxllama/models/`). `params.init_params` unboxes and shards them. Nothing loads Flax to
+run a model: shapes and axes come from the declarations themselves.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxllama.core.config import ModelConfig
-from jaxllama.core.model import Declared, declarations
+from jaxllama.models import Declared, declarations
 
 INITIALIZERS = {"normal": nn.initializers.normal(stddev=0.02), "ones": nn.initializers.ones}
 

@@ -1,9 +1,10 @@
-"""The Llama decoder, as pure functions over a params pytree.
+"""The decoder of every family (`jaxllama/models/`), as pure functions over a params pytree.
 
-Every parameter is declared once, here (`declarations`: its shape, logical axes and initializer); shapes, shardings
-and random init all derive from these declarations (`params.py`; the Flax module of `linen.py` declares them to
-Flax). They are plain data, so that loading a model derives its layout without importing or tracing Flax. Layers
-are unrolled, one weight set each: XLA:CPU runs a `lax.scan` over stacked layers several times slower
+Every parameter is declared once, by its family (`models/family.py`: shape, logical axes, initializer, names in
+checkpoints); shapes, shardings and random init derive from the declarations (`params.py`; the Flax module of
+`linen.py` declares them to Flax). A family's features are the parameters its layers hold: q/k/v biases (Qwen2),
+an RMSNorm over each head's queries and keys (Qwen3), applied here where a layer's params have them. Layers are
+unrolled, one weight set each: XLA:CPU runs a `lax.scan` over stacked layers several times slower
 (benchmarks/README.md).
 
 The math is written in the operations of an `Ops` value (`ops.py`): XLA's by default, a backend's where the engine
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,7 @@ from jaxllama.core import int8_kv, paged_kv
 from jaxllama.core.blocks import Blocks, dequantize
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import XLA, Ops
-from jaxllama.core.products import GATE_UP, QKV
+from jaxllama.core.products import BIASES, GATE_UP, QKV
 from jaxllama.core.rope import apply_rope, rope_angles
 from jaxllama.core.sharding import split_tokens
 
@@ -92,7 +92,7 @@ class Mixed:
 def attention(p, c: ModelConfig, x, at: Placement | Mixed, cache_k, cache_v, ops: Ops = XLA):
     """x [b, t, dim] placed as `at` says (or a mixed step's x [1, n + s, dim]); cache_k and cache_v n rows of s
     positions, laid out as `ops.cache_layout` says (or pools of pages, with `at.pages`) -> (out, cache_k, cache_v)."""
-    q, k, v = ops.project(x, p, QKV)
+    q, k, v = _heads(p, c, ops.project(x, p, QKV))
     if isinstance(at, Mixed):
         n, outs = at.prompt.positions.size, []
         for part, span in ((at.prompt, slice(0, n)), (at.decode, slice(n, None))):
@@ -104,6 +104,18 @@ def attention(p, c: ModelConfig, x, at: Placement | Mixed, cache_k, cache_v, ops
         out, cache_k, cache_v = _attend(c, q, k, v, at, cache_k, cache_v, ops)
     out = out.reshape(*out.shape[:2], c.n_heads, c.head_dim)  # [b, t, heads, head_dim]
     return ops.linear(out, p["wo"], in_dims=2, row_parallel=True), cache_k, cache_v
+
+
+def _heads(p, c: ModelConfig, qkv):
+    """The projections' outputs as heads [b, t, heads, hd] (k and v [b, t, kv, hd]), with the biases and the
+    per-head norms of the layers that have them."""
+    shapes = ((c.n_heads, c.head_dim), (c.n_kv_heads, c.head_dim), (c.n_kv_heads, c.head_dim))
+    q, k, v = (a.reshape(*a.shape[:2], *shape) for a, shape in zip(qkv, shapes, strict=True))
+    if BIASES[0] in p:
+        q, k, v = (a + p[b].astype(a.dtype) for a, b in zip((q, k, v), BIASES, strict=True))
+    if "q_norm" in p:
+        q, k = rms_norm(p["q_norm"], q, c.norm_eps), rms_norm(p["k_norm"], k, c.norm_eps)
+    return q, k, v
 
 
 def _attend(c: ModelConfig, q, k, v, at: Placement, cache_k, cache_v, ops: Ops):
@@ -188,43 +200,6 @@ def head(params, c: ModelConfig, x, logits_at=None, ops: Ops = XLA):
 def layer_params(params, c: ModelConfig, start: int = 0, stop: int | None = None) -> list:
     """The params of layers [start, stop), in order."""
     return [params[f"layers_{i}"] for i in range(start, c.n_layers if stop is None else stop)]
-
-
-# ---- the declarations: every parameter's shape, logical axes and initializer -------------------------
-
-
-class Declared(NamedTuple):
-    """One parameter: its shape, its logical axes (`sharding.py` maps them onto a mesh), and its random init: "normal"
-    (normal, stddev 0.02) or "ones"."""
-
-    shape: tuple[int, ...]
-    axes: tuple[str, ...]
-    init: str = "normal"
-
-
-def declarations(c: ModelConfig) -> dict[str, Declared]:
-    """Every parameter of a model of config `c`, by flat name ("layers_0/attention/wq"), in the order they are
-    declared (the order Flax draws their random values in: `linen.py`); `params.param_layout` has them in the
-    order of the params pytree's leaves."""
-    norm = Declared((c.dim,), ("norm",), "ones")
-    layer = {
-        "attention_norm/scale": norm,
-        "attention/wq": Declared((c.n_heads, c.head_dim, c.dim), ("heads", "head_dim", "embed")),
-        "attention/wk": Declared((c.n_kv_heads, c.head_dim, c.dim), ("kv_heads", "head_dim", "embed")),
-        "attention/wv": Declared((c.n_kv_heads, c.head_dim, c.dim), ("kv_heads", "head_dim", "embed")),
-        "attention/wo": Declared((c.dim, c.n_heads, c.head_dim), ("embed", "heads", "head_dim")),
-        "mlp_norm/scale": norm,
-        "mlp/w1": Declared((c.ffn_dim, c.dim), ("mlp", "embed")),  # gate
-        "mlp/w3": Declared((c.ffn_dim, c.dim), ("mlp", "embed")),  # up
-        "mlp/w2": Declared((c.dim, c.ffn_dim), ("embed", "mlp")),  # down
-    }
-    flat = {"embedding": Declared((c.vocab_size, c.dim), ("vocab", "embed"))}
-    for i in range(c.n_layers):
-        flat |= {f"layers_{i}/{name}": d for name, d in layer.items()}
-    flat["norm/scale"] = norm
-    if not c.tie_embeddings:
-        flat["output"] = Declared((c.vocab_size, c.dim), ("vocab", "embed"))
-    return flat
 
 
 def empty_cache(config: ModelConfig, batch: int, length: int, dtype=jnp.float32, ops: Ops = XLA) -> KVCache:

@@ -27,7 +27,7 @@ from jaxllama.core import int8_kv, int8_weights, paged_kv
 from jaxllama.core.blocks import Blocks, dequantize
 from jaxllama.core.cache_layout import POSITIONS_MAJOR, CacheLayout
 from jaxllama.core.int8_weights import Int8
-from jaxllama.core.products import PRODUCT_IN_DIMS, ROTATED
+from jaxllama.core.products import HEAD_NORMS, PRODUCT_IN_DIMS, ROTATED, ROTATED_BIASES
 from jaxllama.core.rope import rope_halves_order
 from jaxllama.core.sharding import tokens_spec
 
@@ -60,10 +60,10 @@ class Ops:
     def prepare(self, params, config) -> dict:
         """params (the whole tree, or part of it) as this backend's products read them. XLA reads the checkpoint's
         weights as they are, or with `int8_weights` each product's weight quantized (blocks dequantized first; a
-        weight quantized already is kept), and with `rope_halves` wq and wk with their heads' dims reordered."""
+        weight quantized already is kept), and with `rope_halves` the heads' dims of wq and wk (and of their biases
+        and per-head norms, in a family that has them) reordered."""
         if self.rope_halves:
-            order = rope_halves_order(config.head_dim)
-            params = _map_products(params, lambda w, _: _reorder_head_dims(w, order), names=ROTATED)
+            params = _rotated_halves(params, rope_halves_order(config.head_dim))
         if not self.int8_weights:
             return params
         return _map_products(params, lambda w, in_dims: w if isinstance(w, Int8) else _to_int8(w, in_dims=in_dims))
@@ -233,10 +233,28 @@ def _map_products(params, fn, names=PRODUCT_IN_DIMS):
     return out
 
 
+def _rotated_halves(params, order):
+    """params with each head's dims in `order` in every tensor laid out by the rotated queries' and keys' dims: wq
+    and wk, their biases, their per-head norms."""
+    if isinstance(params, (list, tuple)):  # a run of layers
+        return [_rotated_halves(p, order) for p in params]
+    out = {}
+    for key, value in params.items():
+        if key in ROTATED or key in ROTATED_BIASES:
+            out[key] = _reorder_head_dims(value, order)
+        elif key in HEAD_NORMS:
+            out[key] = {"scale": jnp.take(value["scale"], order)}
+        elif isinstance(value, dict):
+            out[key] = _rotated_halves(value, order)
+        else:
+            out[key] = value
+    return out
+
+
 @jax.jit
 def _reorder_head_dims(w, order):
-    """w [heads, head_dim, ...] (an array, `Blocks` or `Int8`: every array of it has its output's head dims second)
-    with each head's dims in `order`."""
+    """w [heads, head_dim, ...] (an array, `Blocks` or `Int8`: every array of it has its output's head dims second;
+    or a bias [heads, head_dim]) with each head's dims in `order`."""
     return jax.tree.map(lambda a: jnp.take(a, order, axis=1), w)
 
 

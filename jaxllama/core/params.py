@@ -1,6 +1,6 @@
-"""What the parameters are: shapes, dtypes, logical axes and shardings, all derived from the
-declarations in `model.py` (never written down twice), and how a checkpoint stores each of them, derived from its
-config (`ModelConfig.form`). Random init goes through Flax (`linen.py`), imported only then.
+"""What the parameters are: shapes, dtypes, logical axes and shardings, all derived from the declarations of the
+model's family (`jaxllama/models/`, never written down twice), and how a checkpoint stores each of them, derived from
+its config (`ModelConfig.form`). Random init goes through Flax (`linen.py`), imported only then.
 
 A weight stored as blocks (`core/blocks.py`) is two arrays in a checkpoint, `NAME/quants` and `NAME/scales`, and a
 `Blocks` once restored. Its quants and scales are split like the weight's out axes; along its inputs where the mesh
@@ -18,9 +18,9 @@ from jax.sharding import Mesh
 
 from jaxllama.core.blocks import BLOCK, Blocks
 from jaxllama.core.config import BLOCK_FORMATS, ModelConfig
-from jaxllama.core.model import declarations
 from jaxllama.core.products import PRODUCT_IN_DIMS
 from jaxllama.core.sharding import logical_to_spec, named_sharding, rules_for
+from jaxllama.models import declarations
 
 
 @functools.lru_cache(maxsize=16)
