@@ -61,6 +61,8 @@ class GGUFSource:
             "rope_theta": "rope.freq_base",
             "max_seq_len": "context_length",
             "vocab_size": "vocab_size",
+            "n_experts": "expert_count",
+            "n_experts_per_token": "expert_used_count",
         }
         return {field: f"{arch}.{key}" for field, key in keys.items()} | {"rope_freq_factors": "rope_freqs.weight"}
 
@@ -70,10 +72,14 @@ class GGUFSource:
 
     def _config(self) -> ModelConfig:
         arch = self.field("general.architecture")
-        self.family = models.for_gguf(arch)
+        experts = self.field(f"{arch}.expert_count", 0)
+        self.family = models.for_gguf(arch, experts)
         if self.family is None:
-            supported = ", ".join(f.gguf_architecture for f in models.FAMILIES.values())
-            raise ConversionError(f"{self.path}: unsupported architecture {arch!r} (supported: {supported})")
+            supported = ", ".join(sorted({f.gguf_architecture for f in models.FAMILIES.values()}))
+            with_experts = f" with {experts} experts" if experts else ""
+            raise ConversionError(
+                f"{self.path}: unsupported architecture {arch!r}{with_experts} (supported: {supported})"
+            )
         try:
             n_heads = int(self.field(f"{arch}.attention.head_count"))
             dim = int(self.field(f"{arch}.embedding_length"))
@@ -101,6 +107,8 @@ class GGUFSource:
                 tie_embeddings="output.weight" not in self.tensors,
                 dtype="float32",
                 family=self.family.name,
+                n_experts=int(experts),
+                n_experts_per_token=int(self.field(f"{arch}.expert_used_count", 0)),
             )
         except TypeError:
             raise ConversionError(f"{self.path}: required {arch}.* metadata is missing") from None

@@ -38,6 +38,8 @@ CONFIG_NAMES = {
     "n_kv_heads": "num_key_value_heads",
     "ffn_dim": "intermediate_size",
     "head_dim": "head_dim",
+    "n_experts": "num_local_experts",
+    "n_experts_per_token": "num_experts_per_tok",
     "norm_eps": "rms_norm_eps",
     "rope_theta": "rope_theta",
     "rope_scaling": "rope_scaling",
@@ -106,6 +108,8 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             family=family.name,
+            n_experts=cfg.get("num_local_experts", 0) if family.experts else 0,
+            n_experts_per_token=cfg.get("num_experts_per_tok", 0) if family.experts else 0,
         )
     except KeyError as e:
         raise ConversionError(f"{where}: field {e.args[0]!r} is missing") from None
@@ -169,18 +173,30 @@ class HFSource:
         key = self._key(name)
         return f"{self.files.get(key, self.path)}: {key}"
 
+    def _keys(self, name: str) -> list[str]:
+        """The tensors a parameter is read from: one, or one per expert (stacked in expert order)."""
+        key = self._key(name)
+        if key is None or "{expert}" not in key:
+            return [key]
+        return [key.format(expert=e) for e in range(self.config.n_experts)]
+
     def shape(self, name: str) -> tuple[int, ...] | None:
-        return self.shapes.get(self._key(name))
+        keys = self._keys(name)
+        shapes = [self.shapes.get(k) for k in keys]
+        if None in shapes or len(set(shapes)) > 1:
+            return None
+        return shapes[0] if keys == [self._key(name)] else (len(keys), *shapes[0])
 
     def read(self, name: str) -> np.ndarray:
-        key = self._key(name)
-        if key not in self.files:
-            raise ConversionError(f"{self.path}: tensor {key!r} is missing")
-        file = self.files[key]
+        keys = self._keys(name)
+        for key in keys:
+            if key not in self.files:
+                raise ConversionError(f"{self.path}: tensor {key!r} is missing")
         try:
-            w = read_tensor(file, key)
+            parts = [read_tensor(self.files[key], key) for key in keys]
         except (OSError, ValueError, KeyError) as e:
-            raise ConversionError(f"{file}: cannot read {key} ({e})") from None
+            raise ConversionError(f"{self.locate(name)}: cannot read it ({e})") from None
+        w = parts[0] if keys == [self._key(name)] else np.stack(parts)
         if (heads := rotary_heads(name, self.config)) is not None:
             w = unpermute_rotary(w, heads)
         return w

@@ -70,10 +70,11 @@ def _reshape(w: np.ndarray | Blocks, shape: tuple[int, ...], in_dims: int):
 
 def expected_shape(name: str, config: ModelConfig) -> tuple[int, ...]:
     """The Meta-layout shape a source must provide for a parameter: (out, in) for a product's weight and the
-    embedding, flat for a norm or a bias."""
-    shape, in_dims = declarations(config)[name].shape, block_in_dims(name)
+    embedding, flat for a norm or a bias, (experts, out, in) for every expert's weights."""
+    declared = declarations(config)[name]
+    shape, in_dims = declared.shape, block_in_dims(name)
     if in_dims is None:
-        return (math.prod(shape),)
+        return shape if declared.axes[0] == "experts" else (math.prod(shape),)
     return (math.prod(shape[: len(shape) - in_dims]), math.prod(shape[len(shape) - in_dims :]))
 
 

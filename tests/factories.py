@@ -28,8 +28,10 @@ class Tiny:
     rope_theta: float = 10000.0
     rope_scaling: bool = False  # llama3 scaling: factor 8, low 1, high 4, original context 8192
     max_pos: int = 256
-    family: str = "llama"  # or "qwen2" (q/k/v biases), "qwen3" (per-head q/k norms)
+    family: str = "llama"  # or "qwen2" (q/k/v biases), "qwen3" (per-head q/k norms), "mixtral" (experts)
     head_dim: int | None = None  # Qwen3's own (default: dim / heads)
+    experts: int = 4  # Mixtral's, of which each token takes experts_per_token
+    experts_per_token: int = 2
 
     @property
     def hd(self) -> int:
@@ -48,9 +50,11 @@ class Tiny:
                 "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192,
             }
-        kind = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[self.family]
+        kind = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mixtral": "MixtralConfig"}
         extra = {"head_dim": self.hd} if self.head_dim or self.family == "qwen3" else {}  # Qwen3's default: 128
-        return getattr(transformers, kind)(
+        if self.family == "mixtral":
+            extra |= {"num_local_experts": self.experts, "num_experts_per_tok": self.experts_per_token}
+        return getattr(transformers, kind[self.family])(
             **extra,
             vocab_size=self.vocab,
             hidden_size=self.dim,
@@ -193,6 +197,13 @@ GGUF_FAMILY_NAMES = {
     "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 
+# A mixture of experts' tensors as transformers holds them (gate and up split) -> llama.cpp's.
+GGUF_EXPERT_NAMES = {
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "experts.gate": "ffn_gate_exps.weight",
+    "experts.up": "ffn_up_exps.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+}
 
 # A mix of GGML types for write_gguf's qtypes: block quantizations of each kind, F16 and BF16.
 GGUF_TYPE_MIX = {
@@ -212,7 +223,7 @@ def write_gguf(tiny: Tiny, hf: dict[str, np.ndarray], path: Path, qtypes: dict[s
     """A GGUF of the HF weights, of the tiny's family. qtypes: {substring of GGUF tensor name: GGML type name}."""
     import gguf
 
-    w = gguf.GGUFWriter(str(path), tiny.family)
+    w = gguf.GGUFWriter(str(path), "llama" if tiny.family == "mixtral" else tiny.family)
     w.add_block_count(tiny.layers)
     w.add_context_length(tiny.max_pos)
     w.add_embedding_length(tiny.dim)
@@ -225,6 +236,9 @@ def write_gguf(tiny: Tiny, hf: dict[str, np.ndarray], path: Path, qtypes: dict[s
     if tiny.head_dim or tiny.family == "qwen3":
         w.add_key_length(tiny.hd)
         w.add_value_length(tiny.hd)
+    if tiny.family == "mixtral":
+        w.add_expert_count(tiny.experts)
+        w.add_expert_used_count(tiny.experts_per_token)
     w.add_vocab_size(tiny.vocab)
     w.add_file_type(0)
     # A byte-level BPE vocabulary: 256 byte tokens, then merged pairs, then specials.
@@ -248,13 +262,20 @@ def write_gguf(tiny: Tiny, hf: dict[str, np.ndarray], path: Path, qtypes: dict[s
             mapping[f"model.layers.{i}.{a}.weight"] = f"blk.{i}.{b}.weight"
         for a, b in GGUF_FAMILY_NAMES.items():
             mapping[f"model.layers.{i}.{a}"] = f"blk.{i}.{b}"
+    if tiny.family == "mixtral":  # transformers holds every expert's gate and up as one tensor: llama.cpp's are two
+        hf = dict(hf)
+        for i in range(tiny.layers):
+            gate_up = hf.pop(f"model.layers.{i}.mlp.experts.gate_up_proj")
+            hf[f"model.layers.{i}.experts.gate"], hf[f"model.layers.{i}.experts.up"] = np.split(gate_up, 2, axis=1)
+            for a, b in GGUF_EXPERT_NAMES.items():
+                mapping[f"model.layers.{i}.{a}"] = f"blk.{i}.{b}"
     for hf_name, gguf_name in mapping.items():
         if hf_name not in hf or (tiny.tied and hf_name == "lm_head.weight"):
             continue
         t = hf[hf_name].astype(np.float32)
-        if tiny.family == "llama" and ".attn_q." in gguf_name:
+        if tiny.family in ("llama", "mixtral") and ".attn_q." in gguf_name:  # llama.cpp's "llama" rows
             t = llamacpp_permute(t, tiny.heads)
-        elif tiny.family == "llama" and ".attn_k." in gguf_name:
+        elif tiny.family in ("llama", "mixtral") and ".attn_k." in gguf_name:
             t = llamacpp_permute(t, tiny.kv_heads)
         qtype = next((q for key, q in (qtypes or {}).items() if key in gguf_name), "F32")
         if t.ndim == 1:

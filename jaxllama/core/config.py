@@ -86,6 +86,10 @@ class ModelConfig:
     stored_as: tuple[tuple[str, str], ...] = ()
     # The model family (a key of `jaxllama.models.FAMILIES`): which parameters a layer has.
     family: str = "llama"
+    # A mixture of experts (Mixtral): each layer's feed-forward block is n_experts blocks of ffn_dim hidden units, of
+    # which each token goes through the n_experts_per_token its router scores highest. 0: one dense block.
+    n_experts: int = 0
+    n_experts_per_token: int = 0
 
     def __post_init__(self):
         # Types and ranges first: a config read from a file may hold anything, and the checks below divide.
@@ -132,10 +136,21 @@ class ModelConfig:
                     "stored_as", f"{name}: {form!r} is not one of {', '.join(STORAGE_DTYPES + BLOCK_FORMATS)}"
                 )
         self._set("stored_as", stored)
+        for name in ("n_experts", "n_experts_per_token"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(name, f"expected a whole number >= 0, got {value!r}")
+        if self.n_experts and not 1 <= self.n_experts_per_token <= self.n_experts:
+            raise ConfigError(
+                "n_experts_per_token", f"{self.n_experts_per_token}: expected 1 to n_experts={self.n_experts}"
+            )
         from jaxllama.models import FAMILIES  # the registry reads configs: imported when one is made
 
         if self.family not in FAMILIES:
             raise ConfigError("family", f"{self.family!r} is not one of {', '.join(FAMILIES)}")
+        if bool(self.n_experts) != FAMILIES[self.family].experts:
+            wants = "is a mixture of experts" if FAMILIES[self.family].experts else "has no experts"
+            raise ConfigError("n_experts", f"{self.n_experts}: a {self.family} model {wants}")
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
@@ -147,9 +162,17 @@ class ModelConfig:
 
         return sum(math.prod(d.shape) for d in declarations(self).values())
 
+    @property
+    def active_params(self) -> int:
+        """Number of parameters one token's products read: of a mixture of experts, only its own experts'."""
+        from jaxllama.models import declarations
+
+        experts = sum(math.prod(d.shape) for d in declarations(self).values() if d.axes[0] == "experts")
+        return self.n_params - experts + experts * self.n_experts_per_token // max(self.n_experts, 1)
+
     def flops_per_token(self, context: int = 0) -> float:
         """Forward FLOPs for one token attending to `context` earlier positions (2 per multiply-add)."""
-        matmul = self.n_params - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
+        matmul = self.active_params - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1)
         attention = 2 * 2 * self.n_layers * self.n_heads * self.head_dim * context
         return 2.0 * matmul + attention
 

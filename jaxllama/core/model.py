@@ -28,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxllama.core import int8_kv, paged_kv
+from jaxllama.core import int8_kv, moe, paged_kv
 from jaxllama.core.blocks import Blocks, dequantize
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import XLA, Ops
@@ -144,8 +144,10 @@ def _attend(c: ModelConfig, q, k, v, at: Placement, cache_k, cache_v, ops: Ops):
     return out, cache_k, cache_v
 
 
-def mlp(p, x, ops: Ops = XLA):
-    """The feed-forward block: w2(silu(w1 x) * w3 x)."""
+def mlp(p, c: ModelConfig, x, ops: Ops = XLA):
+    """The feed-forward block: w2(silu(w1 x) * w3 x), or a mixture of such blocks where the layer has a router."""
+    if "router" in p:
+        return moe.experts_block(p, c, x)
     return ops.linear(ops.gated(x, p, *GATE_UP), p["w2"], row_parallel=True)
 
 
@@ -156,7 +158,7 @@ def block(p, c: ModelConfig, x, at: Placement | Mixed, cache_k, cache_v, ops: Op
     normed = rms_norm(p["attention_norm"], x, c.norm_eps)
     h, cache_k, cache_v = attention(p["attention"], c, normed, at, cache_k, cache_v, ops)
     x = split_tokens(x + h)
-    x = split_tokens(x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x, c.norm_eps), ops))
+    x = split_tokens(x + mlp(p["mlp"], c, rms_norm(p["mlp_norm"], x, c.norm_eps), ops))
     return x, cache_k, cache_v
 
 

@@ -29,6 +29,7 @@ RULES: dict[str, str | None] = {
     "kv_heads": "model",
     "head_dim": None,
     "mlp": "model",
+    "experts": None,  # every device holds each expert's share of its hidden units ("mlp")
     "norm": None,
     "cache_seq": None,
     "cache_pages": None,

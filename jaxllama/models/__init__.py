@@ -1,6 +1,6 @@
-"""The model families jaxllama runs, as a registry: one file per family (`llama.py`, `qwen2.py`, `qwen3.py`), each
-declaring its parameters once (`family.py`), found by `ModelConfig.family`, by a Hugging Face config's
-`architectures`, or by a GGUF file's `general.architecture`."""
+"""The model families jaxllama runs, as a registry: one file per family (`llama.py`, `qwen2.py`, `qwen3.py`,
+`mixtral.py`), each declaring its parameters once (`family.py`), found by `ModelConfig.family`, by a Hugging Face
+config's `architectures`, or by a GGUF file's `general.architecture` (and whether it has experts)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import functools
 from jaxllama.core.config import ModelConfig
 from jaxllama.models.family import Declared, Family
 from jaxllama.models.llama import LLAMA
+from jaxllama.models.mixtral import MIXTRAL
 from jaxllama.models.qwen2 import QWEN2
 from jaxllama.models.qwen3 import QWEN3
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, MIXTRAL)}
 
 __all__ = ["FAMILIES", "Declared", "Family", "declarations", "declared", "family_of", "for_gguf", "for_hf"]
 
@@ -41,8 +42,10 @@ def for_hf(architecture: str | None, model_type: str | None) -> Family | None:
     return None
 
 
-def for_gguf(architecture: str | None) -> Family | None:
-    return next((f for f in FAMILIES.values() if f.gguf_architecture == architecture), None)
+def for_gguf(architecture: str | None, n_experts: int = 0) -> Family | None:
+    """The family of a GGUF file's `general.architecture`, with or without experts (`{arch}.expert_count`)."""
+    found = (f for f in FAMILIES.values() if f.gguf_architecture == architecture and f.experts == bool(n_experts))
+    return next(found, None)
 
 
 def hf_architectures() -> tuple[str, ...]:

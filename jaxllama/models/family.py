@@ -21,7 +21,9 @@ class Declared(NamedTuple):
     ("normal": normal, stddev 0.02; "ones"), and its names in checkpoints (a layer's relative to the layer's
     prefix: "self_attn.q_proj.weight" in "model.layers.0."). `rotary`: Hugging Face stores this tensor's rows
     with each head's rotary pairs as halves, over this many heads ("heads", "kv_heads", or "head": one head's
-    dims), where Meta's layout interleaves them (`converters/layout.unpermute_rotary`)."""
+    dims), where Meta's layout interleaves them (`converters/layout.unpermute_rotary`). A tensor of every expert's
+    weights (axes first "experts") is one tensor in GGUF, and one per expert in Hugging Face files, whose name holds
+    `{expert}` for the expert's index."""
 
     shape: tuple[int, ...]
     axes: tuple[str, ...]
@@ -38,7 +40,9 @@ class Family:
     (`architectures`, `model_type`) and GGUF (`general.architecture`) give it, and its parameters, whose
     declarations `layer` (one decoder layer's, by names relative to the layer) and the embedding, final norm and
     output make. `gguf_rotary_halves`: its GGUF files keep Hugging Face's q/k row order (llama.cpp rotates such a
-    model's halves: its "NEOX" rope), where a Llama GGUF's rows are in Meta's order already."""
+    model's halves: its "NEOX" rope), where a Llama GGUF's rows are in Meta's order already. `experts`: its
+    feed-forward blocks are a mixture of experts (`ModelConfig.n_experts`), which tells it from a dense family of the
+    same GGUF architecture (Mixtral's files say "llama")."""
 
     name: str
     hf_architectures: tuple[str, ...]
@@ -46,6 +50,7 @@ class Family:
     gguf_architecture: str
     layer: Callable[[ModelConfig], dict[str, Declared]]
     gguf_rotary_halves: bool = False
+    experts: bool = False
 
     def declarations(self, c: ModelConfig) -> dict[str, Declared]:
         """Every parameter of a model of config `c`, by flat name ("layers_0/attention/wq"), in the order they are

@@ -27,6 +27,7 @@ TINIES = {
     "qwen2": Tiny(heads=8, kv_heads=2, tied=False, vocab=99, family="qwen2"),  # q/k/v biases
     "qwen3": Tiny(heads=8, kv_heads=2, tied=True, vocab=99, family="qwen3"),  # per-head q/k norms
     "qwen3-head-dim": Tiny(heads=8, kv_heads=2, tied=True, vocab=99, family="qwen3", head_dim=16),  # 16 != 64 / 8
+    "mixtral": Tiny(heads=8, kv_heads=2, tied=False, vocab=99, family="mixtral", experts=4, experts_per_token=2),
 }
 TOKENS = np.array([[1, 5, 9, 90, 77, 3, 42, 8, 8, 98, 0, 64], [2, 30, 7, 7, 7, 1, 97, 15, 16, 17, 18, 19]])
 EXACT = 1e-5  # float32 logits of a two-layer model: the issue's bar
@@ -101,13 +102,23 @@ def test_gguf_blocks_read_as_transformers_reads_the_file(name, tmp_path):
     np.testing.assert_allclose(ours(kept), hf_logits(oracle), atol=EXACT, rtol=0)
 
 
+# The CPU kernels on one device; XLA's operations on one; meshes splitting heads and hidden units (each expert's
+# among them), and the batch or the cache in pages as on an accelerator.
+BACKENDS = {
+    "cpu-kernels": {"cpu_kernels": True},
+    "xla": {"cpu_kernels": False},
+    "xla-mesh": {"cpu_kernels": False, "mesh": "data=2,model=2"},
+    "xla-paged": {"cpu_kernels": False, "mesh": "data=1,model=2", "page_size": 16},
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "xla"])
-def test_llm_gives_transformers_logits_and_greedy_tokens(family, cpu_kernels, kernel_folder):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_llm_gives_transformers_logits_and_greedy_tokens(family, backend, kernel_folder):
     from jaxllama import LLM
 
     name, tiny, model, _, ckpt = family
-    llm = LLM.load(ckpt, max_slots=2, compilation_cache=False, cpu_kernels=cpu_kernels)
+    llm = LLM.load(ckpt, max_slots=2, compilation_cache=False, **BACKENDS[backend])
     np.testing.assert_allclose(llm.logits(TOKENS.tolist()), hf_logits(model), atol=EXACT, rtol=0)
     prompts = [[5, 9, 40, 77], [30, 7, 7, 1, 60, 15, 16]]
     results = llm.generate(prompts, max_tokens=8, temperature=0, ignore_eos=True)
@@ -160,12 +171,17 @@ def test_sliding_window_in_use_is_refused(tmp_path):
         convert(tmp_path / "hf", tmp_path / "ckpt", progress=False)
 
 
-def test_a_qwen_config_naming_a_window_it_does_not_use_converts(family):
-    """Qwen2/Qwen3 configs carry `sliding_window` with `use_sliding_window: false`: full attention, as transformers
-    computes it (the logits test above passes through such a config)."""
-    _, _, _, folder, _ = family
-    config = json.loads((folder / "config.json").read_text())
-    assert config.get("use_sliding_window") is False
+def test_a_window_named_but_not_used_is_full_attention(tmp_path):
+    """Qwen's configs name a `sliding_window` with `use_sliding_window: false`: transformers attends over every
+    position, and so does the converted model."""
+    tiny = TINIES["qwen2"]
+    model = write_hf(tiny, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config |= {"use_sliding_window": False, "sliding_window": 4}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    np.testing.assert_allclose(
+        ours(convert(tmp_path / "hf", tmp_path / "ckpt", progress=False)), hf_logits(model), atol=EXACT, rtol=0
+    )
 
 
 @pytest.mark.parametrize(
@@ -192,16 +208,27 @@ def test_an_unregistered_gguf_architecture_is_refused(tmp_path):
         convert(tmp_path / "x.gguf", tmp_path / "ckpt", progress=False)
 
 
-def test_a_config_of_an_unknown_family_is_refused():
-    with pytest.raises(ConfigError, match="family: 'gemma' is not one of"):
-        ModelConfig(vocab_size=8, dim=8, n_layers=1, n_heads=1, n_kv_heads=1, ffn_dim=8, family="gemma")
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"family": "gemma"}, "family: 'gemma' is not one of llama, qwen2, qwen3, mixtral"),
+        ({"family": "mixtral"}, "n_experts: 0: a mixtral model is a mixture of experts"),
+        ({"n_experts": 8, "n_experts_per_token": 2}, "n_experts: 8: a llama model has no experts"),
+        ({"family": "mixtral", "n_experts": 8, "n_experts_per_token": 9}, "n_experts_per_token: 9: expected 1 to"),
+        ({"family": "mixtral", "n_experts": -1}, "n_experts: expected a whole number >= 0, got -1"),
+    ],
+)
+def test_a_config_the_families_cannot_run_is_refused(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(vocab_size=8, dim=8, n_layers=1, n_heads=1, n_kv_heads=1, ffn_dim=8, **fields)
 
 
 @pytest.mark.parametrize("name", list(models.FAMILIES))
 def test_a_familys_checkpoint_names_are_one_to_one(name):
     """Every parameter has one name in each format that names it, and no two share one: a converter finds each
     tensor by its declaration alone."""
-    config = ModelConfig(vocab_size=8, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=8, family=name)
+    experts = {"n_experts": 3, "n_experts_per_token": 2} if models.FAMILIES[name].experts else {}
+    config = ModelConfig(vocab_size=8, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=8, family=name, **experts)
     declared = models.declarations(config)
     for fmt in ("hf", "gguf"):
         names = [getattr(d, fmt) for d in declared.values()]
