@@ -350,7 +350,8 @@ def compile(
     compiled programs' temporaries leave it past a device's memory (the figures printed).
 
     Args:
-      model: a known shape (smollm2-135m, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, llama-3.1-70b, llama-3.1-405b)
+      model: a known shape (smollm2-135m, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, llama-3.1-70b, llama-3.1-405b,
+        qwen2.5-7b, qwen3-8b, mixtral-8x7b)
         or a checkpoint (only its config is read); default: the default model.
       topology: a TPU slice to compile for on this host, e.g. v5e:2x4, v5e:4x4, v6e:2x4, v5p:2x2x2 (needs libtpu:
         pip install -e '.[tpu]'); default: this machine's devices.

@@ -65,6 +65,7 @@ class ProgramReport:
     collectives: dict
     heaviest: list  # the instructions that move the most HBM bytes (`hlo.Module.heaviest`)
     kernel_bytes: int = 0  # of hbm_bytes, its Pallas kernels' operands and results (`hlo.Traffic.kernel_bytes`)
+    uncosted_flops: int = 0  # of the products the compiler gives no cycles (`hlo.Traffic.uncosted_flops`)
     hlo_text: str | None = dataclasses.field(default=None, repr=False)  # the optimized HLO (not in `to_json`)
 
 
@@ -81,8 +82,9 @@ class PhaseReport:
     ideal_s: float
     collectives: dict
     chip: Chip | None
-    # Time in Pallas kernels, which the compiler's cycles leave out, at its least: a prompt's attention kernel's flops
-    # at the chip's peak (added to the cycles' estimate).
+    # Time the compiler's cycles leave out, at its least (added to the cycles' estimate): a prompt's attention
+    # kernel's flops (Pallas), and the products it could not cost (a mixture of experts' ragged products), at the
+    # chip's peak.
     kernel_s: float = 0.0
 
     def estimates(self) -> dict[str, float]:
@@ -352,7 +354,7 @@ def compile_engine(
             report = _phase(name, tokens, calls, by_program, ideal, chip)
             if chip and any(_runs_a_kernel(c) for c in calls):  # the prompt's attention
                 attention = tokens * (config.flops_per_token(length // 2) - config.flops_per_token(0))
-                report.kernel_s = attention / (data * model) / chip.bf16_flops
+                report.kernel_s += attention / (data * model) / chip.bf16_flops
             prefill_reports.append(report)
     return EngineReport(
         target=target,
@@ -432,6 +434,7 @@ def program_report(compiled: Compiled, phase: str, calls: int) -> ProgramReport:
         collectives=traffic.collectives if traffic else {},
         heaviest=heaviest,
         kernel_bytes=traffic.kernel_bytes if traffic else 0,
+        uncosted_flops=traffic.uncosted_flops if traffic else 0,
         hlo_text=compiled.hlo_text,
     )
 
@@ -443,7 +446,7 @@ def _phase(name, tokens, calls, by_program, ideal_s, chip) -> PhaseReport:
         if p.hbm_bytes is None:
             complete = False
         else:
-            total.add(hlo.Traffic(p.hbm_bytes, p.cycles or 0, p.collectives), p.calls)
+            total.add(hlo.Traffic(p.hbm_bytes, p.cycles or 0, p.collectives, uncosted_flops=p.uncosted_flops), p.calls)
         flops += p.flops * p.calls
         costed = costed and p.cost_model_s >= 0
         cost_s += p.cost_model_s * p.calls
@@ -457,6 +460,7 @@ def _phase(name, tokens, calls, by_program, ideal_s, chip) -> PhaseReport:
         ideal_s=ideal_s,
         collectives=total.collectives,
         chip=chip,
+        kernel_s=total.uncosted_flops / chip.bf16_flops if chip else 0.0,
     )
 
 

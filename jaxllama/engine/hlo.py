@@ -14,6 +14,7 @@ paged-attention kernel reads a row's pages up to its length, not the whole pool:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 _ITEM_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16}
@@ -25,6 +26,7 @@ _FREE |= {"opt-barrier", "add-dependency", "domain"}
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
 _SLICES = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice", "scatter"}
+_NO_ESTIMATE = 2**63 - 1  # the estimated_cycles of an instruction the compiler cannot cost
 _KERNEL = re.compile(r'custom_call_target="(tpu_custom_call|[^"]*triton[^"]*)"')  # Mosaic's (TPU), Triton's (GPU)
 
 
@@ -78,17 +80,21 @@ class Traffic:
     """What a program (or part of one) moves: HBM bytes, the compiler's estimated cycles (summed over the
     instructions that carry one), per collective kind {"count", "bytes"} (the bytes of their results), and the HBM
     bytes of its Pallas kernels' operands and results (among `hbm_bytes`; the compiler estimates no cycles for
-    them)."""
+    them). `uncosted_flops`: the products of the fusions the compiler marks as having no cycle estimate (on a TPU, a
+    `ragged_dot`'s, lowered as one masked product per group), counted as they run: every group's weights against
+    every row."""
 
     hbm_bytes: int = 0
     cycles: int = 0
     collectives: dict = dataclasses.field(default_factory=dict)
     kernel_bytes: int = 0
+    uncosted_flops: int = 0
 
     def add(self, other: Traffic, times: int = 1) -> None:
         self.hbm_bytes += other.hbm_bytes * times
         self.cycles += other.cycles * times
         self.kernel_bytes += other.kernel_bytes * times
+        self.uncosted_flops += other.uncosted_flops * times
         for kind, c in other.collectives.items():
             mine = self.collectives.setdefault(kind, {"count": 0, "bytes": 0})
             mine["count"] += c["count"] * times
@@ -222,12 +228,23 @@ class Module:
             read = sum(self._hbm(name) for name in inst.operands)
             written = sum(a.hbm_bytes for a in inst.arrays)
         out = Traffic(read + written, cycles)
+        if cycles == _NO_ESTIMATE:
+            out.cycles, out.uncosted_flops = 0, self._product_flops(inst)
         if op == "custom-call" and _KERNEL.search(inst.attributes):
             out.kernel_bytes = read + written
         kind = op.removesuffix("-start")
         if kind in COLLECTIVES:
             out.collectives[kind] = {"count": 1, "bytes": sum(a.bytes for a in inst.arrays[:1])}
         return out
+
+    def _product_flops(self, inst: Instruction) -> int:
+        """The flops of a product of rows [m, k] by a stack of weights [..., n, k] into [m, n] (its largest operand
+        the weights): 2 m n k for each matrix of the stack."""
+        operands = [self.by_name[name].arrays[0] for name in inst.operands if name in self.by_name]
+        if not operands or not inst.arrays or not inst.arrays[0].shape:
+            return 0
+        weights, result = max(operands, key=lambda a: math.prod(a.shape)), inst.arrays[0].shape
+        return 2 * math.prod(result) * math.prod(weights.shape) // result[-1]
 
     def _trips(self, loop: Instruction) -> int:
         """A while loop's trip count: as the compiler gives it, or else read from the loop as XLA writes its counted

@@ -274,7 +274,7 @@ def estimated_cost(chip) -> Callable[[Compiled, float], float]:
             estimates.append((report.hbm_bytes - report.kernel_bytes) / chip.hbm_bandwidth)
             kernel = report.kernel_bytes * read / (KERNEL_BANDWIDTH_SHARE * chip.hbm_bandwidth)
         if report.cycles:
-            estimates.append(report.cycles / chip.clock_hz)
+            estimates.append(report.cycles / chip.clock_hz + report.uncosted_flops / chip.bf16_flops)
         seconds = (max(estimates) if estimates else max(report.cost_model_s, 0.0)) + kernel
         ici = ICI_BANDWIDTH.get(chip.name)
         for collective in report.collectives.values():

@@ -4,6 +4,7 @@ what cannot fit (`engine/memory.py`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -68,6 +69,21 @@ def test_a_tiny_model_compiles_for_a_tpu_slice_and_is_measured(v5e_2x2):
     if report.mesh["model"] > 1:
         assert "all-reduce" in step["collectives"]
     assert "decode step" in report.table() and json.dumps(report.to_json())
+
+
+@pytest.mark.slow
+@needs_libtpu
+@pytest.mark.parametrize("family", ["qwen3", "mixtral"])
+def test_every_family_compiles_for_a_tpu_slice_with_finite_estimates(v5e_2x2, family):
+    """A family's own parameters (per-head norms; a router and experts split over the model axis) compile for a TPU
+    slice, every phase with a finite estimate (the ragged products the compiler cannot cost: test_hlo.py)."""
+    experts = {"n_experts": 4, "n_experts_per_token": 2} if family == "mixtral" else {}
+    config = dataclasses.replace(TINY, family=family, **experts)
+    report = aot.compile_engine(config, v5e_2x2, target="v5e:2x2", max_slots=8, max_context=512, prefills=[(2, 100)])
+    assert report.fits
+    for phase in [report.decode, *report.prefills]:
+        estimate = phase.estimates()["estimate"]
+        assert 0 < estimate < 1.0, (phase.name, estimate)  # a tiny model: well under a second a step
 
 
 @needs_libtpu

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxllama.core import moe
 from jaxllama.engine import aot, hlo
 from tests.engine.test_aot import needs_libtpu
 
@@ -102,3 +103,20 @@ def test_a_pallas_kernel_is_charged_its_operands_and_counted_apart():
     attend = lambda q, k, v, lengths, pages: paged_attention(q, k, v, lengths, pages, pages_per_compute_block=8)
     traffic = hlo.program_traffic(jax.jit(attend).lower(q, pool, pool, lengths, pages).compile().as_text())
     assert 2 * 8 * 256 * 64 * 128 * 2 <= traffic.kernel_bytes <= traffic.hbm_bytes
+
+
+@needs_libtpu
+def test_a_ragged_product_the_compiler_cannot_cost_is_charged_its_flops():
+    """A mixture of experts' `ragged_dot` compiled for a TPU: the compiler marks the fusion it lowers to as having no
+    cycle estimate (INT64_MAX); its product is counted apart, every group's weights against every row, and adds no
+    cycles."""
+    device = aot.target_devices("v5e:1x1")[0][0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    shape = lambda s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype, sharding=sharding)
+    rows, weights, sizes = shape((128, 512)), shape((8, 256, 512)), shape((8,), jnp.int32)  # weights (out, in)
+    product = lambda a, w, g: jax.lax.ragged_dot_general(a, w, g, moe._BY_EXPERT, preferred_element_type=jnp.bfloat16)
+    text = jax.jit(product).lower(rows, weights, sizes).compile().as_text()
+    traffic = hlo.program_traffic(text)
+    assert "9223372036854775807" in text
+    assert traffic.uncosted_flops == 2 * 128 * 8 * 256 * 512
+    assert traffic.cycles < 2**40
