@@ -66,8 +66,6 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
     windowed = cfg.get("use_sliding_window", True)  # Qwen's configs name a window they do not use
     if windowed and isinstance(window, int) and isinstance(positions, int) and window < positions:
         raise ConversionError(f"{where}: sliding-window attention is not supported")
-    if cfg.get("attention_bias") and family.name != "qwen2":  # Qwen2's biases need no flag: every layer has them
-        raise ConversionError(f"{where}: attention_bias=true is not supported for {family.name}")
     if cfg.get("mlp_bias"):
         raise ConversionError(f"{where}: mlp_bias=true is not supported")
     try:
@@ -93,7 +91,7 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
     elif kind != "default":
         raise ConversionError(f"{where}: rope scaling type {kind!r} is not supported (supported: llama3)")
     try:
-        return ModelConfig(
+        config = ModelConfig(
             vocab_size=cfg["vocab_size"],
             dim=cfg["hidden_size"],
             n_layers=cfg["num_hidden_layers"],
@@ -115,6 +113,9 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
         raise ConversionError(f"{where}: field {e.args[0]!r} is missing") from None
     except ValueError as e:
         raise config_error(where, e, CONFIG_NAMES) from None
+    if cfg.get("attention_bias") and models.declared(config, "layers_0/attention/bq") is None:
+        raise ConversionError(f"{where}: attention_bias=true is not supported for {family.name}")
+    return config
 
 
 class HFSource:
@@ -173,22 +174,23 @@ class HFSource:
         key = self._key(name)
         return f"{self.files.get(key, self.path)}: {key}"
 
-    def _keys(self, name: str) -> list[str]:
-        """The tensors a parameter is read from: one, or one per expert (stacked in expert order)."""
+    def _experts(self, name: str) -> list[str] | None:
+        """The tensors of a parameter stacked from one tensor per expert, in expert order; None for one tensor."""
         key = self._key(name)
         if key is None or "{expert}" not in key:
-            return [key]
+            return None
         return [key.format(expert=e) for e in range(self.config.n_experts)]
 
     def shape(self, name: str) -> tuple[int, ...] | None:
-        keys = self._keys(name)
-        shapes = [self.shapes.get(k) for k in keys]
-        if None in shapes or len(set(shapes)) > 1:
-            return None
-        return shapes[0] if keys == [self._key(name)] else (len(keys), *shapes[0])
+        keys = self._experts(name)
+        if keys is None:
+            return self.shapes.get(self._key(name))
+        shapes = {self.shapes.get(k) for k in keys}
+        return None if None in shapes or len(shapes) > 1 else (len(keys), *shapes.pop())
 
     def read(self, name: str) -> np.ndarray:
-        keys = self._keys(name)
+        experts = self._experts(name)
+        keys = experts or [self._key(name)]
         for key in keys:
             if key not in self.files:
                 raise ConversionError(f"{self.path}: tensor {key!r} is missing")
@@ -196,7 +198,7 @@ class HFSource:
             parts = [read_tensor(self.files[key], key) for key in keys]
         except (OSError, ValueError, KeyError) as e:
             raise ConversionError(f"{self.locate(name)}: cannot read it ({e})") from None
-        w = parts[0] if keys == [self._key(name)] else np.stack(parts)
+        w = parts[0] if experts is None else np.stack(parts)
         if (heads := rotary_heads(name, self.config)) is not None:
             w = unpermute_rotary(w, heads)
         return w

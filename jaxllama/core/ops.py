@@ -217,38 +217,33 @@ F32 = jnp.float32
 QUERY_BLOCK = 1024  # a long prompt's queries attend this many at a time (`Ops.attention`)
 
 
-def _map_products(params, fn, names=PRODUCT_IN_DIMS):
-    """params with fn(weight, in_dims) at every product's weight of `names` (default: all of them, by name:
-    `PRODUCT_IN_DIMS`; not the embedding)."""
+def _map_named(params, fns: dict):
+    """params with fns[key](value) at every key `fns` names, at any depth (in a run of layers: in each)."""
     if isinstance(params, (list, tuple)):  # a run of layers
-        return [_map_products(p, fn, names) for p in params]
+        return [_map_named(p, fns) for p in params]
     out = {}
     for key, value in params.items():
-        if isinstance(value, dict):
-            out[key] = _map_products(value, fn, names)
-        elif key in names:
-            out[key] = fn(value, PRODUCT_IN_DIMS[key])
+        if key in fns:
+            out[key] = fns[key](value)
+        elif isinstance(value, dict):
+            out[key] = _map_named(value, fns)
         else:
             out[key] = value
     return out
+
+
+def _map_products(params, fn, names=PRODUCT_IN_DIMS):
+    """params with fn(weight, in_dims) at every product's weight of `names` (default: all of them, by name:
+    `PRODUCT_IN_DIMS`; not the embedding)."""
+    return _map_named(params, {name: lambda w, d=PRODUCT_IN_DIMS[name]: fn(w, d) for name in names})
 
 
 def _rotated_halves(params, order):
     """params with each head's dims in `order` in every tensor laid out by the rotated queries' and keys' dims: wq
     and wk, their biases, their per-head norms."""
-    if isinstance(params, (list, tuple)):  # a run of layers
-        return [_rotated_halves(p, order) for p in params]
-    out = {}
-    for key, value in params.items():
-        if key in ROTATED or key in ROTATED_BIASES:
-            out[key] = _reorder_head_dims(value, order)
-        elif key in HEAD_NORMS:
-            out[key] = {"scale": jnp.take(value["scale"], order)}
-        elif isinstance(value, dict):
-            out[key] = _rotated_halves(value, order)
-        else:
-            out[key] = value
-    return out
+    reorder = functools.partial(_reorder_head_dims, order=order)
+    norm = lambda n: {"scale": jnp.take(n["scale"], order)}
+    return _map_named(params, dict.fromkeys(ROTATED + ROTATED_BIASES, reorder) | dict.fromkeys(HEAD_NORMS, norm))
 
 
 @jax.jit

@@ -9,35 +9,24 @@ from jaxllama.core.config import ModelConfig
 from jaxllama.models import llama
 from jaxllama.models.family import Declared, Family
 
-MLP = ("mlp/w1", "mlp/w3", "mlp/w2")
+# Each expert's weights are Llama's feed-forward weights: by their names here, in Hugging Face's files and in GGUF's.
+EXPERTS = {"mlp/w1": ("gate_exps", "w1"), "mlp/w3": ("up_exps", "w3"), "mlp/w2": ("down_exps", "w2")}
 
 
 def layer(c: ModelConfig) -> dict[str, Declared]:
-    experts = {
-        "mlp/router": Declared(
-            (c.n_experts, c.dim), ("experts", "embed"), hf="block_sparse_moe.gate.weight", gguf="ffn_gate_inp.weight"
-        ),
-        "mlp/gate_exps": Declared(
-            (c.n_experts, c.ffn_dim, c.dim),
-            ("experts", "mlp", "embed"),
-            hf="block_sparse_moe.experts.{expert}.w1.weight",
-            gguf="ffn_gate_exps.weight",
-        ),
-        "mlp/up_exps": Declared(
-            (c.n_experts, c.ffn_dim, c.dim),
-            ("experts", "mlp", "embed"),
-            hf="block_sparse_moe.experts.{expert}.w3.weight",
-            gguf="ffn_up_exps.weight",
-        ),
-        "mlp/down_exps": Declared(
-            (c.n_experts, c.dim, c.ffn_dim),
-            ("experts", "embed", "mlp"),
-            hf="block_sparse_moe.experts.{expert}.w2.weight",
-            gguf="ffn_down_exps.weight",
-        ),
-    }
-    dense = {name: d._replace(meta=None) for name, d in llama.layer(c).items() if name not in MLP}
-    return dense | experts
+    declared = {name: d._replace(meta=None) for name, d in llama.layer(c).items()}
+    declared["mlp/router"] = Declared(
+        (c.n_experts, c.dim), ("experts", "embed"), hf="block_sparse_moe.gate.weight", gguf="ffn_gate_inp.weight"
+    )
+    for mlp, (name, hf) in EXPERTS.items():
+        d = declared.pop(mlp)
+        declared[f"mlp/{name}"] = Declared(
+            (c.n_experts, *d.shape),
+            ("experts", *d.axes),
+            hf=f"block_sparse_moe.experts.{{expert}}.{hf}.weight",
+            gguf=f"ffn_{name}.weight",
+        )
+    return declared
 
 
 MIXTRAL = Family(

@@ -184,6 +184,18 @@ def test_a_window_named_but_not_used_is_full_attention(tmp_path):
     )
 
 
+def test_attention_biases_are_refused_where_the_family_declares_none(tmp_path):
+    """`attention_bias: true` in a Llama config names q/k/v/o biases a Llama layer does not hold: refused, where a
+    Qwen2 config saying so converts (its layers hold them)."""
+    for name, tiny in (("llama", Tiny(vocab=99)), ("qwen2", TINIES["qwen2"])):
+        write_hf(tiny, tmp_path / name)
+        config = json.loads((tmp_path / name / "config.json").read_text()) | {"attention_bias": True}
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match="attention_bias=true is not supported for llama"):
+        convert(tmp_path / "llama", tmp_path / "llama-ckpt", progress=False)
+    convert(tmp_path / "qwen2", tmp_path / "qwen2-ckpt", progress=False)
+
+
 @pytest.mark.parametrize(
     "architecture, model_type",
     [("Qwen3MoeForCausalLM", "qwen3_moe"), ("Gemma2ForCausalLM", "gemma2"), (None, "phi3")],
