@@ -15,7 +15,6 @@ one JSON object.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 
@@ -28,8 +27,9 @@ from jaxllama.core import kv_groups
 from jaxllama.core.chips import skip_absent_tpu
 from jaxllama.core.params import init_params
 from jaxllama.core.shapes import known_shape
-from jaxllama.engine import aot, buckets, kvcache, memory
+from jaxllama.engine import aot, buckets
 from jaxllama.engine.engine import Engine
+from jaxllama.engine.load_plan import plan_load
 from jaxllama.engine.options import EngineOptions
 from jaxllama.engine.request import Request, SamplingParams
 
@@ -58,13 +58,12 @@ def main(
         config, devices, options, target=devices[0].device_kind, mesh=mesh,
         prefills=[(min(8, max_batch), prompt)],
     )  # fmt: skip
-    cache_dtype = kvcache.dtype(kv_cache_dtype, jnp.bfloat16)
-    plan = memory.plan(config, devices, mesh, options, cache_dtype)
+    plan = plan_load(config, devices, mesh, options)
     params = init_params(config, jax.random.key(seed), jnp.bfloat16, plan.mesh)
     r = kv_groups.repeats(config, plan.mesh.shape["model"])
     if r > 1:
         params = kv_groups.repeat_heads(params, config, r)  # on one host: jit places it as the mesh says
-    engine = Engine(plan.config, params, plan.mesh, dataclasses.replace(options, max_context=plan.context))
+    engine = Engine.planned(plan, params)
     rng = np.random.default_rng(seed)
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 

@@ -25,19 +25,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxllama import backends
 from jaxllama.core import kv_groups
 from jaxllama.core.checkpoint import is_checkpoint, load_config
 from jaxllama.core.chips import chip_of, skip_absent_tpu
 from jaxllama.core.config import STORAGE_DTYPES, ModelConfig
 from jaxllama.core.model import forward, sequence_logits
-from jaxllama.core.params import abstract_stored, activation_dtype_of, as_blocks, product_form
-from jaxllama.engine import kvcache, memory, prepared
+from jaxllama.core.params import abstract_stored, as_blocks
+from jaxllama.engine import prepared
 from jaxllama.engine.engine import Engine
+from jaxllama.engine.load_plan import LoadPlan, plan_load
 from jaxllama.engine.options import EngineOptions
 from jaxllama.engine.programs import preload_imports
 from jaxllama.engine.request import SamplingParams
-from jaxllama.engine.runtime import enable_compilation_cache, kernel_dir, prepared_cache
+from jaxllama.engine.runtime import enable_compilation_cache, prepared_cache
 from jaxllama.engine.stats import EngineStats
 from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
 from jaxllama.protocol.requests import (
@@ -100,11 +100,13 @@ class LLM:
         path: Path | None = None,
         donate_params: bool = False,
         ops=None,
+        plan: LoadPlan | None = None,
     ):
         self.config, self.mesh = config, mesh
         self.tokenizer, self.template, self.eos_ids = tokenizer, template, frozenset(eos_ids)
         self.path = path
-        self.engine = Engine(config, params, mesh, options, eos_ids=self.eos_ids, donate_params=donate_params, ops=ops)
+        engine_args = dict(eos_ids=self.eos_ids, donate_params=donate_params, ops=ops, plan=plan)
+        self.engine = Engine(config, params, mesh, options, **engine_args)
         self.params = self.engine.params  # the weights the engine runs: prepared for its backend, no other copy
         self.text_engine = TextEngine(self.engine, tokenizer)
         grammars = GrammarCompiler(tokenizer, config.vocab_size, self.eos_ids)
@@ -172,22 +174,8 @@ class LLM:
         # checkpoint are kept: it was checked then.
         stored = load_config(path, check=digest is None or not prepared.checked(kept, digest))
         config = stored.with_dtype(jnp.dtype(dtype).name) if dtype is not None else stored  # as restored
-        cache_dtype = kvcache.dtype(options.kv_cache_dtype, activation_dtype_of(config))
-        where = memory.plan(config, jax.devices(), mesh, options, cache_dtype, stored=stored)
-        mesh, form, run_config = where.mesh, product_form(config), where.config
-        ops = backends.choose(mesh, form, kernel_dir(), cpu_kernels=options.cpu_kernels, quantize=options.quantize)
-        if where.footprint is None:  # a CPU: the host's memory, for everything the engine will hold (its cache too)
-            cache_dtype, page_size = memory.cache_form(ops, options, activation_dtype_of(config), mesh.shape["data"])
-            weights, restoring = memory.host_weights(config, ops, form, mesh, stored=stored)
-            chosen = options.max_context is not None
-            args = (run_config, mesh, ops, where.slots, where.context, cache_dtype, page_size)
-            where = memory.fit_host(*args, chosen=chosen, weights=weights, restoring=restoring)
-        elif options.max_context is None and where.context < config.max_seq_len:
-            log.info(
-                "context: %d positions (what fits beside the weights; the model's is %d)",
-                where.context,
-                config.max_seq_len,
-            )
+        plan = plan_load(config, jax.devices(), mesh, options, stored=stored)
+        ops = plan.ops
         # Named before the threads below start: the name reads jaxllama's sources, and each read made here while they
         # hold the GIL waits for it (0.4 s instead of 0.01 s).
         entry = prepared.entry_name(digest, ops, dtype) if digest is not None else None
@@ -197,20 +185,10 @@ class LLM:
         with ThreadPoolExecutor(2) as pool:
             text = pool.submit(_load_text, path, chat_template, eos_ids, extra_eos_ids)
             pool.submit(preload_imports)
-            params = prepared.restore(kept, entry, Path(path), stored, mesh, dtype, ops)
-            params = _repeat_kv_heads(params, config, run_config, mesh)
+            params = prepared.restore(kept, entry, Path(path), stored, plan.mesh, dtype, ops)
+            params = _repeat_kv_heads(params, config, plan.config, plan.mesh)
             tokenizer, template, eos = text.result()
-        return cls(
-            run_config,
-            params,
-            mesh,
-            tokenizer,
-            template,
-            eos,
-            dataclasses.replace(options, max_context=where.context),
-            path=Path(path),
-            ops=ops,
-        )
+        return cls(plan.config, params, plan.mesh, tokenizer, template, eos, path=Path(path), plan=plan)
 
     @staticmethod
     def compile_for(
@@ -257,11 +235,11 @@ class LLM:
         from jaxllama.engine import aot, job_clock
 
         config, devices, target, options = _target(model, topology, dtype, quantize, options, engine_options)
-        engine, where = aot.abstract_engine(config, devices, options, mesh)
-        chip = chip_of(where.mesh.devices.flat[0])
+        engine, plan = aot.abstract_engine(config, devices, options, mesh)
+        chip = chip_of(plan.mesh.devices.flat[0])
         cost = job_clock.measured_cost() if topology is None else job_clock.estimated_cost(chip)
         step_tokens = engine.options.step_tokens
-        return job_clock.predict(engine.runner, jobs, cost, step_tokens=step_tokens, chips=where.mesh.size, price=price)
+        return job_clock.predict(engine.runner, jobs, cost, step_tokens=step_tokens, chips=plan.mesh.size, price=price)
 
     @property
     def name(self) -> str:

@@ -25,7 +25,6 @@ from jaxllama.core.chips import Chip, chip_of
 from jaxllama.core.config import BLOCK_FORMATS, ModelConfig
 from jaxllama.core.params import (
     abstract_stored,
-    activation_dtype_of,
     as_blocks,
     block_in_dims,
     param_layout,
@@ -33,6 +32,7 @@ from jaxllama.core.params import (
 from jaxllama.engine import buckets, hlo, kvcache, memory
 from jaxllama.engine.engine import Engine
 from jaxllama.engine.interface import PrefillRow
+from jaxllama.engine.load_plan import LoadPlan, plan_load
 from jaxllama.engine.options import EngineOptions
 from jaxllama.engine.programs import Compiled
 from jaxllama.engine.request import Request, SamplingParams
@@ -293,7 +293,7 @@ def compile_engine(
     engine, where = abstract_engine(config, devices, options, mesh)
     own = config  # the model's own KV heads: what no implementation can avoid reading
     config = where.config  # its KV heads repeated where the model axis asks (`core/kv_groups.py`)
-    cache_dtype = kvcache.dtype(options.kv_cache_dtype, activation_dtype_of(own))
+    cache_dtype = where.cache_dtype
     runner, programs = engine.runner, engine.runner.programs
     phases: dict[str, list[Compiled]] = {}
 
@@ -364,7 +364,7 @@ def compile_engine(
         context=context,
         chip=chip,
         footprint=fp,
-        device_memory=where.device_memory,
+        device_memory=where.memory.device_memory,
         programs=reports,
         decode=decode,
         prefills=prefill_reports,
@@ -377,17 +377,14 @@ def compile_engine(
 
 def abstract_engine(
     config: ModelConfig, devices: Sequence, options: EngineOptions, mesh: str | dict | None = None
-) -> tuple[Engine, memory.Plan]:
+) -> tuple[Engine, LoadPlan]:
     """An engine of `config` (as restored) with abstract weights on `devices` (a target's, which this host may be
-    unable to run), on the mesh and context the memory plan chooses, and that plan; ModelTooLarge before compiling
-    anything where no mesh fits. Its programs are compiled as it runs, never run."""
-    cache_dtype = kvcache.dtype(options.kv_cache_dtype, activation_dtype_of(config))
-    where = memory.plan(config, devices, mesh, options, cache_dtype)
-    memory.check_plan(where)
-    config = where.config  # its KV heads repeated where the model axis asks (`core/kv_groups.py`)
-    params = as_blocks(abstract_stored(config, where.mesh), config)
-    options = dataclasses.replace(options, max_context=where.context)
-    return Engine(config, params, where.mesh, options, eos_ids=[0], abstract=True), where
+    unable to run), on the plan `load_plan` makes for them (the mesh and context its memory plan chooses), and that
+    plan; ModelTooLarge before compiling anything where no mesh fits. Its programs are compiled as it runs, never
+    run."""
+    plan = plan_load(config, devices, mesh, options, abstract=True)
+    params = as_blocks(abstract_stored(plan.config, plan.mesh), plan.config)
+    return Engine.planned(plan, params, eos_ids=[0], abstract=True), plan
 
 
 def _runs_a_kernel(compiled: Compiled) -> bool:

@@ -187,12 +187,6 @@ def too_large(p: Plan) -> str:
     )
 
 
-def check_plan(p: Plan) -> None:
-    """ModelTooLarge unless the plan fits its devices."""
-    if not p.fits:
-        raise ModelTooLarge(too_large(p))
-
-
 def _longest_context(config, mesh, slots, limit, cache_dtype, memory, stored, ops) -> int:
     """The longest context (a multiple of MIN_BUCKET, at most `limit`) whose cache fits beside everything else; a
     plan at MIN_CONTEXT where none does (which then does not fit)."""

@@ -131,6 +131,25 @@ def test_llm_gives_transformers_logits_and_greedy_tokens(family, backend, kernel
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["cpu-kernels", "xla-paged"])
+def test_a_prompt_answers_the_same_alone_and_in_a_batch(family, backend, kernel_folder):
+    """Batch invariance: each prompt's greedy tokens and their log-probabilities are the same whatever shares its
+    steps (a mixture of experts' tokens grouped by expert with others' included), to the bit."""
+    from jaxllama import LLM
+
+    name, tiny, model, _, ckpt = family
+    llm = LLM.load(ckpt, max_slots=8, compilation_cache=False, **BACKENDS[backend])
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, tiny.vocab, n).tolist() for n in (3, 17, 40, 9, 64, 1)]
+    sampling = dict(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
+    together = llm.generate(prompts, **sampling)
+    for prompt, result in zip(prompts, together, strict=True):
+        alone = llm.generate(prompt, **sampling)
+        assert result.token_ids == alone.token_ids
+        assert result.logprobs == alone.logprobs
+
+
+@pytest.mark.slow
 def test_jaxllama_run_on_the_hf_folder_answers_as_transformers(family, tmp_path):
     """`jaxllama run --model DIR` converts the folder, applies the checkpoint's chat template and answers greedily
     what transformers' `generate` answers for the same prompt."""
