@@ -1,10 +1,11 @@
-"""Device meshes and the one table that maps logical axes to mesh axes.
+"""Device meshes, and the rules that map logical axes to mesh axes.
 
-Parameters (see `model.py`) and the KV cache name their dimensions with logical axes; `RULES` says which
-mesh axis each one is split over. `data` splits the batch, `model` is tensor parallelism: attention
-heads, MLP hidden units and the vocabulary. A dimension the `model` axis does not divide is replicated
-instead when that is safe (KV heads, the vocabulary), and refused with the constraint named when it is
-not (attention heads, MLP hidden units).
+Parameters (declared by their family: `jaxllama/models/`) and the KV cache name their dimensions with logical axes.
+A model's family says which mesh axis each of its parameters' axes is split over (`Family.sharding`: by default
+tensor parallelism, `models.family.TENSOR_PARALLEL`: attention heads, MLP hidden units and the vocabulary over
+`model`); `CACHE_RULES` adds the batch and the cache's own axes (`data` splits the batch). A dimension the `model`
+axis does not divide is replicated instead when that is safe (KV heads, the vocabulary), and refused with the
+constraint named when it is not (attention heads, MLP hidden units).
 """
 
 from __future__ import annotations
@@ -17,23 +18,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllama.core.config import ModelConfig
+from jaxllama.models import family_of
 
 MESH_AXES = ("data", "model")
 
-# logical axis -> mesh axis (None: replicated)
-RULES: dict[str, str | None] = {
-    "batch": "data",
-    "vocab": "model",
-    "embed": None,
-    "heads": "model",
-    "kv_heads": "model",
-    "head_dim": None,
-    "mlp": "model",
-    "experts": None,  # every device holds each expert's share of its hidden units ("mlp")
-    "norm": None,
-    "cache_seq": None,
-    "cache_pages": None,
-}
+# logical axis -> mesh axis (None: replicated), of the axes that are no parameter's: the rows of a batch, and the
+# positions and pages of the KV cache
+CACHE_RULES: dict[str, str | None] = {"batch": "data", "cache_seq": None, "cache_pages": None}
 
 # Dimensions replicated (rather than refused) when the model axis does not divide them.
 _REPLICATE_IF_UNEVEN = ("kv_heads", "vocab")
@@ -120,8 +111,8 @@ def make_mesh(
 
 
 def rules_for(config: ModelConfig, mesh: Mesh) -> dict[str, str | None]:
-    """`RULES`, with uneven dimensions that may be replicated replicated."""
-    rules = dict(RULES)
+    """The model family's rules and `CACHE_RULES`, with uneven dimensions that may be replicated replicated."""
+    rules = CACHE_RULES | dict(family_of(config).sharding)
     model = mesh.shape["model"]
     for name in _REPLICATE_IF_UNEVEN:
         if axis_sizes(config)[name] % model:

@@ -10,10 +10,25 @@ which the math applies where a layer's params hold them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 from jaxllama.core.config import ModelConfig
+
+# A parameter's logical axis -> the mesh axis it is split over (None: replicated): tensor parallelism, the attention
+# heads, the MLP's hidden units and the vocabulary split over `model` (`core/sharding.py`).
+TENSOR_PARALLEL = MappingProxyType(
+    {
+        "vocab": "model",
+        "embed": None,
+        "heads": "model",
+        "kv_heads": "model",
+        "head_dim": None,
+        "mlp": "model",
+        "norm": None,
+    }
+)
 
 
 class Declared(NamedTuple):
@@ -42,7 +57,8 @@ class Family:
     output make. `gguf_rotary_halves`: its GGUF files keep Hugging Face's q/k row order (llama.cpp rotates such a
     model's halves: its "NEOX" rope), where a Llama GGUF's rows are in Meta's order already. `experts`: its
     feed-forward blocks are a mixture of experts (`ModelConfig.n_experts`), which tells it from a dense family of the
-    same GGUF architecture (Mixtral's files say "llama")."""
+    same GGUF architecture (Mixtral's files say "llama"). `sharding`: the mesh axis each logical axis of its
+    parameters is split over."""
 
     name: str
     hf_architectures: tuple[str, ...]
@@ -51,6 +67,8 @@ class Family:
     layer: Callable[[ModelConfig], dict[str, Declared]]
     gguf_rotary_halves: bool = False
     experts: bool = False
+    # every logical axis its parameters name -> a mesh axis (a read-only mapping: no part of the family's hash)
+    sharding: Mapping[str, str | None] = dataclasses.field(default_factory=lambda: TENSOR_PARALLEL, hash=False)
 
     def declarations(self, c: ModelConfig) -> dict[str, Declared]:
         """Every parameter of a model of config `c`, by flat name ("layers_0/attention/wq"), in the order they are

@@ -5,9 +5,11 @@ one tensor of every expert's (`ffn_gate_exps`), under llama.cpp's `llama` archit
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from jaxllama.core.config import ModelConfig
 from jaxllama.models import llama
-from jaxllama.models.family import Declared, Family
+from jaxllama.models.family import TENSOR_PARALLEL, Declared, Family
 
 # Each expert's weights are Llama's feed-forward weights: by their names here, in Hugging Face's files and in GGUF's.
 EXPERTS = {"mlp/w1": ("gate_exps", "w1"), "mlp/w3": ("up_exps", "w3"), "mlp/w2": ("down_exps", "w2")}
@@ -36,4 +38,6 @@ MIXTRAL = Family(
     gguf_architecture="llama",
     layer=layer,
     experts=True,
+    # every device holds each expert's share of its hidden units ("mlp" over `model`), not whole experts of its own
+    sharding=MappingProxyType(TENSOR_PARALLEL | {"experts": None}),
 )

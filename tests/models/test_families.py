@@ -182,6 +182,31 @@ def test_jaxllama_run_on_the_hf_folder_answers_as_transformers(family, tmp_path)
     assert record["message"]["content"] == tokenizer.decode(out, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize(
+    "experts, mlp", [(None, "model"), ("model", None)], ids=["hidden-units-split", "experts-split"]
+)
+def test_a_familys_sharding_places_its_weights(experts, mlp, monkeypatch, tmp_path):
+    """The mesh axes a family's parameters are split over are the family's (`Family.sharding`): a Mixtral's experts
+    split by their hidden units (its own rules) or whole experts to a device (expert parallelism), restored onto a
+    `model` axis of 2 as those rules say, give transformers' logits either way."""
+    import dataclasses
+
+    from jaxllama.core.sharding import make_mesh
+
+    name = "mixtral"
+    model = write_hf(TINIES[name], tmp_path / "hf")
+    ckpt = convert(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+    rules = dict(models.FAMILIES[name].sharding) | {"experts": experts, "mlp": mlp}
+    monkeypatch.setitem(models.FAMILIES, name, dataclasses.replace(models.FAMILIES[name], sharding=rules))
+    config, _ = load_checkpoint(ckpt)
+    mesh = make_mesh(config, "data=1,model=2", jax.devices()[:2])
+    config, params = load_checkpoint(ckpt, mesh=mesh)
+    gate = params["layers_0"]["mlp"]["gate_exps"]
+    assert gate.sharding.spec[:2] == (experts, mlp)
+    logits = jax.jit(sequence_logits, static_argnums=1)(params, config, TOKENS)
+    np.testing.assert_allclose(np.asarray(logits), hf_logits(model), atol=EXACT, rtol=0)
+
+
 # ---- refused by name ----------------------------------------------------------------------------------------
 
 
