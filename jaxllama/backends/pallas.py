@@ -37,6 +37,9 @@ MAX_PAGES_PER_BLOCK = 8  # pages a kernel reads at a time: with 64-position page
 # kernel's flops at peak added: 8 x 512 58.6 ms by XLA, 60.9 ms by the kernel; 1 x 1024 18.0 and 16.4 ms; 1 x 4095
 # 101.9 and 63.7 ms).
 FLASH_MIN_TOKENS = 1024
+# A grouped product's tile of rows (`TpuOps.grouped`): the rows of a prefill's experts in tiles of 512, a decode
+# step's fewer in one tile of their own.
+GROUPED_ROWS_TILE = 512
 GPU_SPLITS = 16  # the GPU kernel splits each row's pages into this many parts, run in parallel, then joined
 # No collective matmuls: the compiler splits a product whose input it all-gathers, or whose output it
 # reduce-scatters, into a loop of pieces that overlap the transfers, which costs more cycles than it hides on these
@@ -145,6 +148,42 @@ class TpuOps(PallasOps):
             split = PartitionSpec(None, "model")
             attend = jax.shard_map(attend, mesh=mesh, in_specs=(split,) * 3, out_specs=split, check_vma=False)
         return heads(attend(queries, keys, values)).reshape(q.shape).astype(q.dtype)
+
+    def grouped(self, rows: jax.Array, w: jax.Array, sizes: jax.Array, row_parallel: bool = False) -> jax.Array:
+        """A mixture of experts' products by jax's megablox kernel (`pallas.ops.tpu.megablox.gmm`, as MaxText runs
+        Mixtral): tiles of each group's rows against its own weights alone, where XLA's `ragged_dot` computes every
+        group's weights against every row, masked (Mixtral-8x7B on v5e:4x4, a prefill of 8 x 512: 33x its ideal).
+        Each device runs its own part of the weights' `model` axis: its outputs' part (a column-parallel product), or
+        of its inputs, the partial sums then summed over the axis (`row_parallel`). Rows are padded to a whole tile,
+        the padding given to the last group. Widths not a multiple of 128 on each device, or a mesh with a `data`
+        axis of more than one device, take XLA's path."""
+        from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+        mesh = jax.sharding.get_abstract_mesh()
+        axes = {} if mesh.empty else dict(mesh.shape)
+        model = axes.get("model", 1)
+        (m, n_in), n_out = rows.shape, w.shape[1]
+        local_in, local_out = (n_in // model, n_out) if row_parallel else (n_in, n_out // model)
+        if local_in % LANES or local_out % LANES or n_in % model or n_out % model or axes.get("data", 1) > 1:
+            return super().grouped(rows, w, sizes, row_parallel)
+        tiles = tuple(next(t for t in (512, 256, 128) if n % t == 0) for n in (local_in, local_out))
+        rows_tile = min(GROUPED_ROWS_TILE, -(-m // 16) * 16)  # a whole number of bfloat16 tiles ([16, 128])
+        pad = -m % rows_tile
+        padded, sizes = jnp.pad(rows, ((0, pad), (0, 0))), sizes.at[-1].add(pad)
+
+        def product(a, b, groups):
+            out = gmm(a, b, groups, rows.dtype, (rows_tile, *tiles), transpose_rhs=True, interpret=self.interpret)
+            return jax.lax.psum(out, "model") if row_parallel and model > 1 else out
+
+        if model > 1:
+            if row_parallel:  # each device its inputs' part: rows [m, in] and weights [groups, out, in] by inputs
+                specs, out_spec = (PartitionSpec(None, "model"), PartitionSpec(None, None, "model")), PartitionSpec()
+            else:  # each device its outputs' part of every row
+                specs, out_spec = (PartitionSpec(), PartitionSpec(None, "model")), PartitionSpec(None, "model")
+            product = jax.shard_map(
+                product, mesh=mesh, in_specs=(*specs, PartitionSpec()), out_specs=out_spec, check_vma=False
+            )
+        return product(padded, w, sizes)[:m]
 
     def _kernel(self, q, pool_k, pool_v, lengths, pages) -> jax.Array:
         from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention

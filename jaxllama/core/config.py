@@ -165,10 +165,19 @@ class ModelConfig:
     @property
     def active_params(self) -> int:
         """Number of parameters one token's products read: of a mixture of experts, only its own experts'."""
+        every_expert = sum(math.prod(shape) for shape in self._expert_shapes())
+        return self.n_params - every_expert + self.active_expert_params
+
+    @property
+    def active_expert_params(self) -> int:
+        """Number of experts' parameters one token's products read: its own experts' (0 without experts)."""
+        return sum(math.prod(shape[1:]) for shape in self._expert_shapes()) * self.n_experts_per_token
+
+    def _expert_shapes(self) -> list[tuple[int, ...]]:
+        """The shapes of the weights stacked by expert ([experts, out, in]; not the router's [experts, dim])."""
         from jaxllama.models import declarations
 
-        experts = sum(math.prod(d.shape) for d in declarations(self).values() if d.axes[0] == "experts")
-        return self.n_params - experts + experts * self.n_experts_per_token // max(self.n_experts, 1)
+        return [d.shape for d in declarations(self).values() if d.axes[0] == "experts" and len(d.shape) == 3]
 
     def flops_per_token(self, context: int = 0) -> float:
         """Forward FLOPs for one token attending to `context` earlier positions (2 per multiply-add)."""

@@ -147,7 +147,7 @@ def _attend(c: ModelConfig, q, k, v, at: Placement, cache_k, cache_v, ops: Ops):
 def mlp(p, c: ModelConfig, x, ops: Ops = XLA):
     """The feed-forward block: w2(silu(w1 x) * w3 x), or a mixture of such blocks where the layer has a router."""
     if "router" in p:
-        return moe.experts_block(p, c, x)
+        return moe.experts_block(p, c, x, ops)
     return ops.linear(ops.gated(x, p, *GATE_UP), p["w2"], row_parallel=True)
 
 

@@ -2,10 +2,10 @@
 
 Each token's router scores pick its `n_experts_per_token` experts, weighted by the softmax of those scores (the
 renormalized top-k of the softmax over all experts, as Mixtral computes it). The tokens are sorted by expert and each
-expert's SwiGLU block runs over its own run of them with `jax.lax.ragged_dot`: on a TPU or a GPU, a grouped product
-that reads each expert's weights once and computes only the chosen (token, expert) pairs; XLA:CPU lowers it to a
-masked dense product. A token's outputs are summed in a fixed order (its first choice, then its second, ...), whatever
-else shares the step.
+expert's SwiGLU block runs over its own run of them (`Ops.grouped`: XLA's `ragged_dot`, which XLA:CPU and the TPU
+compiler lower to a masked product of every expert over every row; on a TPU the megablox kernel, which reads each
+expert's weights once and computes only the chosen (token, expert) pairs). A token's outputs are summed in a fixed
+order (its first choice, then its second, ...), whatever else shares the step.
 """
 
 from __future__ import annotations
@@ -14,11 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllama.core.config import ModelConfig
-
-# lhs [tokens, in] by rhs [experts, out, in] (the checkpoints' (out, in) weights), tokens grouped by expert.
-_BY_EXPERT = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
-)
+from jaxllama.core.ops import XLA, Ops
 
 
 def route(router, x, k: int):
@@ -28,8 +24,9 @@ def route(router, x, k: int):
     return experts, jax.nn.softmax(top, axis=-1)
 
 
-def experts_block(p, c: ModelConfig, x):
-    """x [..., dim] -> [..., dim]: each token through its chosen experts' w2(silu(w1 x) * w3 x), weighted."""
+def experts_block(p, c: ModelConfig, x, ops: Ops = XLA):
+    """x [..., dim] -> [..., dim]: each token through its chosen experts' w2(silu(w1 x) * w3 x), weighted; the
+    products grouped by expert by `ops.grouped`."""
     shape, k, dtype = x.shape, c.n_experts_per_token, x.dtype
     x = x.reshape(-1, shape[-1])
     experts, weights = route(p["router"], x, k)
@@ -38,9 +35,7 @@ def experts_block(p, c: ModelConfig, x):
     sizes = jnp.bincount(chosen, length=c.n_experts).astype(jnp.int32)
     rows = x[order // k]
 
-    def product(a, w):
-        return jax.lax.ragged_dot_general(a, w.astype(dtype), sizes, _BY_EXPERT, preferred_element_type=dtype)
-
-    hidden = jax.nn.silu(product(rows, p["gate_exps"])) * product(rows, p["up_exps"])
-    out = product(hidden, p["down_exps"])[jnp.argsort(order)].reshape(-1, k, shape[-1])
+    gate, up = (ops.grouped(rows, p[name].astype(dtype), sizes) for name in ("gate_exps", "up_exps"))
+    out = ops.grouped(jax.nn.silu(gate) * up, p["down_exps"].astype(dtype), sizes, row_parallel=True)
+    out = out[jnp.argsort(order)].reshape(-1, k, shape[-1])
     return jnp.einsum("nkd,nk->nd", out, weights.astype(dtype)).reshape(shape)

@@ -116,6 +116,12 @@ class Ops:
         """silu(x @ gate) * (x @ up): a feed-forward block's first half."""
         return jax.nn.silu(self.linear(x, p[gate])) * self.linear(x, p[up])
 
+    def grouped(self, rows: jax.Array, w: jax.Array, sizes: jax.Array, row_parallel: bool = False) -> jax.Array:
+        """rows [m, in], sorted by group, times their group's weights w [groups, out, in] (a mixture of experts'
+        products, `core/moe.py`), group g's rows the sizes[g] after the groups before it -> [m, out]. XLA's
+        `ragged_dot`; `row_parallel`: w's inputs are split over the mesh's `model` axis."""
+        return jax.lax.ragged_dot_general(rows, w, sizes, _GROUPED, preferred_element_type=rows.dtype)
+
     def attention(self, q, cache_k, cache_v, positions, rows=None) -> jax.Array:
         """Each query against its row of the cache, up to its own position: q [b, t, kv, g, hd], cache_k and
         cache_v [n, kv, s, hd] (`cache_layout`), positions [b, t]; rows [b] the cache row of each batch row (an index
@@ -214,6 +220,10 @@ class Ops:
 
 
 F32 = jnp.float32
+# `Ops.grouped`'s product: rows [m, in] by weights [groups, out, in] (the checkpoints' (out, in)), rows grouped.
+_GROUPED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
 QUERY_BLOCK = 1024  # a long prompt's queries attend this many at a time (`Ops.attention`)
 
 

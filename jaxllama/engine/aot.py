@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -344,7 +345,8 @@ def compile_engine(
     ideal_bytes = weights / model + kv_bytes / (data * model)
     bandwidth = chip.hbm_bandwidth if chip else float("nan")
     decode = _phase("decode step", runner.slots, phases["decode step"], by_program, ideal_bytes / bandwidth, chip)
-    prefill_reports = []
+    _charge_kernels(decode, phases["decode step"], config, 0, data * model)
+    prefill_reports, prompt_kernel = [], []
     for name, calls in phases.items():
         if name.startswith("prefill"):
             rows, length = (int(x) for x in name.split()[1].split("x"))
@@ -352,9 +354,8 @@ def compile_engine(
             flops = tokens * config.flops_per_token(length // 2) / (data * model)
             ideal = max(flops / chip.bf16_flops, ideal_bytes / bandwidth) if chip else float("nan")
             report = _phase(name, tokens, calls, by_program, ideal, chip)
-            if chip and any(_runs_a_kernel(c) for c in calls):  # the prompt's attention
-                attention = tokens * (config.flops_per_token(length // 2) - config.flops_per_token(0))
-                report.kernel_s += attention / (data * model) / chip.bf16_flops
+            if _charge_kernels(report, calls, config, length // 2, data * model):
+                prompt_kernel.append(name)
             prefill_reports.append(report)
     return EngineReport(
         target=target,
@@ -370,8 +371,8 @@ def compile_engine(
         prefills=prefill_reports,
         compile_s=time.perf_counter() - started,
         kv_cache=f"paged, {runner.pages.page_size}-position pages" if runner.pages else "contiguous",
-        decode_attention="Pallas kernel" if any(_runs_a_kernel(p) for p in phases["decode step"]) else "XLA",
-        prompt_kernel=[p.name for p in prefill_reports if p.kernel_s],
+        decode_attention="Pallas kernel" if _kernels(phases["decode step"]) - {"gmm"} else "XLA",
+        prompt_kernel=prompt_kernel,
     )
 
 
@@ -387,10 +388,31 @@ def abstract_engine(
     return Engine.planned(plan, params, eos_ids=[0], abstract=True), plan
 
 
-def _runs_a_kernel(compiled: Compiled) -> bool:
-    """Whether a compiled program calls a Pallas kernel (Mosaic's on a TPU, Triton's on a GPU)."""
-    text = compiled.hlo_text or ""
-    return "tpu_custom_call" in text or "triton" in text
+def _kernels(calls: Sequence[Compiled]) -> set[str]:
+    """The Pallas kernels (Mosaic's on a TPU, Triton's on a GPU) compiled programs call, by the name of the function
+    that made each ("flash_attention", "paged_attention", "gmm"; "" where the HLO does not say)."""
+    names = set()
+    for compiled in calls:
+        text = compiled.hlo_text or ""
+        if "tpu_custom_call" in text or "triton" in text:
+            names |= {m.group(1) or "" for m in re.finditer(r"(?:jit\((\w+)\)/)?pallas_call", text)} or {""}
+    return names
+
+
+def _charge_kernels(phase: PhaseReport, calls, config: ModelConfig, context: int, devices: int) -> bool:
+    """Add to a phase's `kernel_s` what the compiler's cycles leave out of its Pallas kernels, at the chip's peak
+    flops: a prompt's attention by the flash kernel (attending over `context` positions on average), a mixture of
+    experts' products by the megablox kernel (each token's own experts'). Whether the prompt's attention ran a
+    kernel."""
+    kernels, tokens = _kernels(calls), phase.tokens
+    if phase.chip is None:
+        return False
+    if "gmm" in kernels:
+        phase.kernel_s += 2 * tokens * config.active_expert_params / devices / phase.chip.bf16_flops
+    if "flash_attention" in kernels:
+        attention = tokens * (config.flops_per_token(context) - config.flops_per_token(0))
+        phase.kernel_s += attention / devices / phase.chip.bf16_flops
+    return "flash_attention" in kernels
 
 
 def _previous_bucket(context: int) -> int:

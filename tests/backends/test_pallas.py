@@ -246,3 +246,26 @@ def test_an_engine_over_an_int8_cache_on_a_tpus_operations_gives_xlas_int8_token
         engine = Engine(config, params, mesh, ops=TpuOps(), **options)
         assert engine.runner.pages is not None and engine.runner.pages.page_size == INT8_PAGE_SIZE
         assert run(engine, requests)[0] == want
+
+
+@pytest.mark.parametrize("row_parallel", [False, True], ids=["outputs-split", "inputs-split"])
+def test_a_grouped_product_by_the_megablox_kernel_gives_xlas(row_parallel):
+    """A mixture of experts' product on a TPU (`TpuOps.grouped`: jax's megablox kernel, in Pallas's interpreter here)
+    gives XLA's `ragged_dot` over the same rows and groups (one empty; rows not a whole tile), each device of a
+    `model` axis of 2 running its part of the weights' outputs or inputs (then summed)."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs two CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
+    rng = np.random.default_rng(0)
+    rows = jnp.asarray(rng.normal(size=(40, 512)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(4, 256, 512)) / 16, jnp.float32)  # [groups, out, in]
+    sizes = jnp.asarray([10, 0, 25, 5], jnp.int32)
+    want = Ops().grouped(rows, w, sizes)
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "model"))
+    by_inputs = (PartitionSpec(None, "model"), PartitionSpec(None, None, "model"))
+    specs = by_inputs if row_parallel else (PartitionSpec(), PartitionSpec(None, "model"))
+    rows, w = (jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip((rows, w), specs, strict=True))
+    product = jax.jit(lambda r, w, s: TpuOps().grouped(r, w, s, row_parallel=row_parallel))
+    with jax.set_mesh(mesh), pltpu.force_tpu_interpret_mode():
+        got = product(rows, w, sizes)
+        assert "pallas_call" in str(jax.make_jaxpr(product)(rows, w, sizes))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxllama.core import moe
+from jaxllama.core import ops
 from jaxllama.engine import aot, hlo
 from tests.engine.test_aot import needs_libtpu
 
@@ -114,8 +114,7 @@ def test_a_ragged_product_the_compiler_cannot_cost_is_charged_its_flops():
     sharding = jax.sharding.SingleDeviceSharding(device)
     shape = lambda s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype, sharding=sharding)
     rows, weights, sizes = shape((128, 512)), shape((8, 256, 512)), shape((8,), jnp.int32)  # weights (out, in)
-    product = lambda a, w, g: jax.lax.ragged_dot_general(a, w, g, moe._BY_EXPERT, preferred_element_type=jnp.bfloat16)
-    text = jax.jit(product).lower(rows, weights, sizes).compile().as_text()
+    text = jax.jit(ops.XLA.grouped).lower(rows, weights, sizes).compile().as_text()
     traffic = hlo.program_traffic(text)
     assert "9223372036854775807" in text
     assert traffic.uncosted_flops == 2 * 128 * 8 * 256 * 512
