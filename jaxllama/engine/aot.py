@@ -345,7 +345,6 @@ def compile_engine(
     ideal_bytes = weights / model + kv_bytes / (data * model)
     bandwidth = chip.hbm_bandwidth if chip else float("nan")
     decode = _phase("decode step", runner.slots, phases["decode step"], by_program, ideal_bytes / bandwidth, chip)
-    _charge_kernels(decode, phases["decode step"], config, 0, data * model)
     prefill_reports, prompt_kernel = [], []
     for name, calls in phases.items():
         if name.startswith("prefill"):
@@ -400,15 +399,12 @@ def _kernels(calls: Sequence[Compiled]) -> set[str]:
 
 
 def _charge_kernels(phase: PhaseReport, calls, config: ModelConfig, context: int, devices: int) -> bool:
-    """Add to a phase's `kernel_s` what the compiler's cycles leave out of its Pallas kernels, at the chip's peak
-    flops: a prompt's attention by the flash kernel (attending over `context` positions on average), a mixture of
-    experts' products by the megablox kernel (each token's own experts'). Whether the prompt's attention ran a
-    kernel."""
+    """Add to a phase's `kernel_s` what the compiler's cycles leave out of a prompt's attention by the flash kernel
+    (attending over `context` positions on average), at the chip's peak flops (a grouped product's kernel is counted
+    from the HLO: `hlo.Traffic.uncosted_flops`). Whether the prompt's attention ran the kernel."""
     kernels, tokens = _kernels(calls), phase.tokens
     if phase.chip is None:
         return False
-    if "gmm" in kernels:
-        phase.kernel_s += 2 * tokens * config.active_expert_params / devices / phase.chip.bf16_flops
     if "flash_attention" in kernels:
         attention = tokens * (config.flops_per_token(context) - config.flops_per_token(0))
         phase.kernel_s += attention / devices / phase.chip.bf16_flops

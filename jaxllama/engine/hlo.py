@@ -27,6 +27,7 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 _SLICES = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice", "scatter"}
 _NO_ESTIMATE = 2**63 - 1  # the estimated_cycles of an instruction the compiler cannot cost
+_GROUPED_KERNEL = "jit(gmm)/pallas_call"  # jax's megablox kernel: a mixture of experts' products on a TPU
 _KERNEL = re.compile(r'custom_call_target="(tpu_custom_call|[^"]*triton[^"]*)"')  # Mosaic's (TPU), Triton's (GPU)
 
 
@@ -80,9 +81,9 @@ class Traffic:
     """What a program (or part of one) moves: HBM bytes, the compiler's estimated cycles (summed over the
     instructions that carry one), per collective kind {"count", "bytes"} (the bytes of their results), and the HBM
     bytes of its Pallas kernels' operands and results (among `hbm_bytes`; the compiler estimates no cycles for
-    them). `uncosted_flops`: the products of the fusions the compiler marks as having no cycle estimate (on a TPU, a
-    `ragged_dot`'s, lowered as one masked product per group), counted as they run: every group's weights against
-    every row."""
+    them). `uncosted_flops`: the products the compiler gives no cycles, counted as they run: of the fusions it marks
+    as having no estimate (on a TPU, a `ragged_dot`'s, lowered as one masked product per group: every group's
+    weights against every row), and of the megablox kernel (each row against its own group's weights alone)."""
 
     hbm_bytes: int = 0
     cycles: int = 0
@@ -232,6 +233,8 @@ class Module:
             out.cycles, out.uncosted_flops = 0, self._product_flops(inst)
         if op == "custom-call" and _KERNEL.search(inst.attributes):
             out.kernel_bytes = read + written
+            if _GROUPED_KERNEL in inst.attributes:
+                out.uncosted_flops = self._grouped_flops(inst)
         kind = op.removesuffix("-start")
         if kind in COLLECTIVES:
             out.collectives[kind] = {"count": 1, "bytes": sum(a.bytes for a in inst.arrays[:1])}
@@ -245,6 +248,14 @@ class Module:
             return 0
         weights, result = max(operands, key=lambda a: math.prod(a.shape)), inst.arrays[0].shape
         return 2 * math.prod(result) * math.prod(weights.shape) // result[-1]
+
+    def _grouped_flops(self, inst: Instruction) -> int:
+        """The flops of the megablox kernel's product of rows [m, k] into [m, n], each row against its own group's
+        weights: 2 m n k (k read off the rows, the operand of m rows and two dims)."""
+        result = inst.arrays[0].shape if inst.arrays else ()
+        operands = [self.by_name[name].arrays[0].shape for name in inst.operands if name in self.by_name]
+        rows = next((shape for shape in operands if len(shape) == 2 and result and shape[0] == result[0]), None)
+        return 2 * math.prod(result) * rows[1] if rows and len(result) == 2 else 0
 
     def _trips(self, loop: Instruction) -> int:
         """A while loop's trip count: as the compiler gives it, or else read from the loop as XLA writes its counted

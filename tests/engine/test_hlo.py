@@ -119,3 +119,19 @@ def test_a_ragged_product_the_compiler_cannot_cost_is_charged_its_flops():
     assert "9223372036854775807" in text
     assert traffic.uncosted_flops == 2 * 128 * 8 * 256 * 512
     assert traffic.cycles < 2**40
+
+
+@needs_libtpu
+def test_the_megablox_kernel_is_charged_each_row_against_its_own_groups_weights():
+    """A mixture of experts' product by jax's megablox kernel compiled for a TPU (`TpuOps.grouped`): a custom call the
+    compiler gives no cycles, counted apart at 2 m n k (not every group's weights against every row, as XLA's
+    `ragged_dot` computes them)."""
+    from jaxllama.backends.pallas import TpuOps
+
+    device = aot.target_devices("v5e:1x1")[0][0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    shape = lambda s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype, sharding=sharding)
+    rows, weights, sizes = shape((256, 512)), shape((4, 256, 512)), shape((4,), jnp.int32)  # weights (out, in)
+    traffic = hlo.program_traffic(jax.jit(TpuOps().grouped).lower(rows, weights, sizes).compile().as_text())
+    assert traffic.uncosted_flops == 2 * 256 * 256 * 512
+    assert traffic.kernel_bytes >= 4 * 256 * 512 * 2  # every group's weights read
