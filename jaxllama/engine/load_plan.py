@@ -54,10 +54,6 @@ class LoadPlan:
     def context(self) -> int:
         return self.options.max_context
 
-    @property
-    def slots(self) -> int:
-        return self.options.max_slots
-
 
 def plan_load(
     config: ModelConfig,
