@@ -54,22 +54,28 @@ def _load(model, options, *, mesh=None, dtype=None, chat_template=None, eos_id=N
     return llm
 
 
-def _replica_spec(ray, replicas, coordinator, model, options, mesh, dtype, chat_template, eos_id):
+def _replica_spec(ray, replicas, processes, coordinator, model, options, mesh, dtype, chat_template, eos_id):
     """What each replica of a `--ray` job loads; the flags checked, and Ray's presence, before anything starts."""
     from jaxllama.llm import check_dtype
     from jaxllama.ray import ReplicaSpec, import_ray
 
-    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
-        _fail(f"--replicas {replicas!r}: must be a whole number of at least 1")
+    for flag, value in (("--replicas", replicas), ("--replica-processes", processes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            _fail(f"{flag} {value!r}: must be a whole number of at least 1")
     if coordinator is not None:
-        _fail("--ray and --coordinator: a replica on several hosts is not supported yet; use one or the other")
+        _fail(
+            "--ray and --coordinator: Ray forms each replica's group itself; for a replica over several hosts, "
+            "--replica-processes N"
+        )
     try:
         import_ray()
     except ImportError as e:
         _fail(f"--ray: {e}")
     check_dtype(dtype)
     eos = tuple(_as_list(eos_id, int) or ())
-    return ReplicaSpec(model, options, mesh=mesh, dtype=dtype, chat_template=chat_template, eos_ids=eos)
+    return ReplicaSpec(
+        model, options, mesh=mesh, dtype=dtype, chat_template=chat_template, eos_ids=eos, processes=processes
+    )
 
 
 # The flag that sets each `EngineOptions` field, so that an error names what the user typed.
@@ -172,6 +178,7 @@ def run(
     process_id: int | None = None,
     ray: str | None = None,
     replicas: int = 1,
+    replica_processes: int = 1,
 ):
     """Run a JSONL job: one request per line (chat "messages", plain "prompt", or OpenAI Batch API lines).
 
@@ -205,6 +212,8 @@ def run(
         extra: pip install -e '.[ray]').
       replicas: with --ray, the engines answering the job, each over its share of the cluster's devices (--mesh:
         each replica's).
+      replica_processes: with --ray, each replica's processes (one a host, e.g. 4 for a v5e-16), one jax.distributed
+        group over their devices; the cluster's devices are shared among replicas x processes.
     """
     from pathlib import Path
 
@@ -230,7 +239,9 @@ def run(
         engine_options = dataclasses.replace(engine_options, max_slots=slots)
         out_path = Path(output) if output else default_output(job_path)
         if ray is not None:
-            spec = _replica_spec(ray, replicas, coordinator, model, engine_options, mesh, dtype, chat_template, eos_id)
+            spec = _replica_spec(
+                ray, replicas, replica_processes, coordinator, model, engine_options, mesh, dtype, chat_template, eos_id
+            )
             lock = OutputLock(out_path).acquire()
             if not overwrite:
                 check_settings(out_path, settings)
@@ -589,6 +600,7 @@ METAVARS = {
     "process_id": "I",
     "ray": "local|auto|ADDRESS",
     "replicas": "N",
+    "replica_processes": "K",
     "served_model_name": "NAME",
     "topology": "v5e:2x4",
     "prefill": "8x512",

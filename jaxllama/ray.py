@@ -7,6 +7,11 @@ TPU chips, some GPUs, or CPU cores), answer blocks of lines (`batch/dispatch.py`
 becomes of a dead replica's lines). The driver touches no device. A replica that dies is restarted by Ray and its
 lines go to whichever replica asks next; a driver that dies is a resume, as for any job.
 
+A replica may span several processes (`--replica-processes K`: a model too large for one host, a 70B on a v5e-16's
+four hosts): K actors in a placement group form one jax.distributed group, process 0 (the leader) getting the blocks
+and handing each to the others before answering it with them in lockstep (`batch/replica.LockstepLoop`). One of
+them lost, the group is restarted whole.
+
 `Answerer` is the same replica for a Ray Data pipeline: `dataset.map_batches(Answerer, fn_constructor_kwargs=...,
 concurrency=N)` maps rows holding a prompt or messages (and any sampling fields) to rows with their answers.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import threading
 import time
 from collections.abc import Hashable
 from pathlib import Path
@@ -24,7 +30,7 @@ import numpy as np
 
 from jaxllama.batch.dispatch import Dispatcher
 from jaxllama.batch.jobs import JobLine
-from jaxllama.batch.replica import ReplicaLoop
+from jaxllama.batch.replica import LockstepLoop, ReplicaLoop
 from jaxllama.batch.runner import Answered, JobOptions, JobStats, Tally, answer_job, job_summary
 from jaxllama.engine.options import EngineOptions
 from jaxllama.engine.stats import EngineStats
@@ -55,12 +61,20 @@ class ReplicaSpec:
     dtype: str | None = None
     chat_template: str | None = None
     eos_ids: tuple[int, ...] = ()
+    processes: int = 1  # a replica's processes (one a host), one jax.distributed group where more than one
 
-    def load(self):
+    def resolve(self) -> Path:
+        """The model's converted checkpoint on this host (converted here first where it is a name not yet in the
+        model cache)."""
         from jaxllama.default_model import resolve_model
+
+        return Path(resolve_model(self.model, progress=False))
+
+    def load(self, path: Path | None = None):
+        """The model loaded (from `path`: `resolve`'s, where the caller has it)."""
         from jaxllama.llm import LLM
 
-        path = resolve_model(self.model, progress=False)
+        path = path or self.resolve()
         return LLM.load(
             path,
             self.options,
@@ -72,24 +86,86 @@ class ReplicaSpec:
 
 
 class Replica:
-    """One engine answering blocks of a job's lines (a Ray actor's class: `ray.remote(Replica)`)."""
+    """One engine answering blocks of a job's lines (a Ray actor's class: `ray.remote(Replica)`): alone (`rank` None),
+    or as process `rank` of a replica over `spec.processes` processes, which joins its group in `join`."""
 
-    def __init__(self, spec: ReplicaSpec, options: JobOptions):
-        self.loop = ReplicaLoop(spec.load(), options)
+    def __init__(self, spec: ReplicaSpec, options: JobOptions, rank: int | None = None):
+        self.spec, self.options, self.rank = spec, options, rank
+        self.loop = ReplicaLoop(spec.load(), options) if rank is None else None
+        self.followers: list = []
+        self._lockstep = threading.Lock()
 
     def describe(self) -> dict:
         import jax
 
         devices = jax.devices()
-        return {"node": socket.gethostname(), "pid": os.getpid(), "devices": f"{len(devices)} {devices[0].platform}"}
+        where = f" over {jax.process_count()} processes" if jax.process_count() > 1 else ""
+        return {
+            "node": socket.gethostname(),
+            "pid": os.getpid(),
+            "devices": f"{len(devices)} {devices[0].platform}{where}",
+        }
+
+    def coordinator(self) -> str:
+        """An address for the group's jax.distributed coordinator, on this actor's node."""
+        ray = import_ray()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def join(self, coordinator: str) -> dict:
+        """Join the group as process `rank` and load this process's share of the model (every process at once)."""
+        from jaxllama.engine.runtime import initialize_distributed
+
+        path = _resolve_on_this_node(self.spec)
+        initialize_distributed(coordinator, self.spec.processes, self.rank)
+        self.loop = LockstepLoop(self.spec.load(path), self.options)
+        return self.describe()
+
+    def lead(self, followers: list) -> dict:
+        """As process 0: form the group with `followers` (the other processes' actors) and load the model."""
+        ray = import_ray()
+        address = self.coordinator()
+        joined = [f.join.remote(address) for f in followers]
+        about = self.join(address)
+        ray.get(joined)
+        self.followers = followers
+        return about
 
     def answer(self, lines: list[JobLine]) -> tuple[list[Answered], int, float]:
         """The block's records, this process's id and the seconds its engine has been busy."""
-        answers = self.loop.answer(lines)
+        if not self.followers:
+            return self.loop.answer(lines), os.getpid(), self.loop.stats.busy_s
+        with self._lockstep:  # the followers get the blocks in the order this process answers them
+            ray = import_ray()
+            theirs = [f.answer.remote(lines) for f in self.followers]
+            threading.Thread(target=_die_with, args=(ray, theirs), daemon=True).start()
+            answers = self.loop.answer(lines)
+            ray.get(theirs)
         return answers, os.getpid(), self.loop.stats.busy_s
 
     def engine_stats(self) -> tuple[EngineStats, int]:
         return self.loop.llm.stats, self.loop.llm.slots
+
+
+def _resolve_on_this_node(spec: ReplicaSpec) -> Path:
+    """`spec.resolve()` in a task on this actor's node: a conversion starts JAX, which this process must not do before
+    it joins its group."""
+    ray = import_ray()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.get(ray.remote(num_cpus=0)(ReplicaSpec.resolve).options(scheduling_strategy=here).remote(spec))
+
+
+def _die_with(ray, refs: list) -> None:
+    """End this process if a follower's part of a block fails (its process lost): this process would otherwise wait
+    in a collective for it for good, and its end tells the driver that the group is lost."""
+    try:
+        ray.get(refs)
+    except Exception:  # noqa: BLE001 - any failure of a follower is the group's
+        os._exit(1)
 
 
 @dataclasses.dataclass
@@ -97,8 +173,9 @@ class _Seat:
     """A replica as the driver sees it: its actor, what it has in flight, and its figures over its restarts."""
 
     index: int
-    actor: object
+    actor: object  # the replica's actor (its process 0's, where it has several)
     about: dict
+    group: tuple = ()  # a replica over several processes: the others' actors, and their placement group
     in_flight: dict = dataclasses.field(default_factory=dict)  # object ref -> block
     busy_s: dict = dataclasses.field(default_factory=dict)  # by process id: that incarnation's busy seconds
     lines: int = 0
@@ -128,7 +205,7 @@ class _Seat:
 
 def connect(address: str | None = "local", num_cpus: int | None = None):
     """Join the Ray cluster at `address` ("auto": the one this host belongs to), or start one on this host
-    ("local", None)."""
+    ("local", None) with `num_cpus` logical cores (default: the host's)."""
     ray = import_ray()
     if not ray.is_initialized():
         local = address in (None, "local")
@@ -136,17 +213,57 @@ def connect(address: str | None = "local", num_cpus: int | None = None):
     return ray
 
 
-def replica_resources(ray, replicas: int) -> dict:
-    """Each replica's share of the cluster: its TPU chips or GPUs where there are, else its CPU cores (and as
-    many threads for the CPU kernels)."""
+def process_resources(ray, processes: int) -> dict:
+    """Each replica process's share of the cluster (`processes`: all the job's): its TPU chips or GPUs where there
+    are, else its CPU cores (and as many threads for the CPU kernels)."""
     total = ray.cluster_resources()
     if total.get("TPU"):
-        return {"num_cpus": 1, "resources": {"TPU": total["TPU"] // replicas}}
+        return {"num_cpus": 1, "resources": {"TPU": total["TPU"] // processes}}
     if total.get("GPU"):
-        return {"num_cpus": 1, "num_gpus": total["GPU"] // replicas}
-    cores = max(1, int(total.get("CPU", 1)) // replicas)
+        return {"num_cpus": 1, "num_gpus": total["GPU"] // processes}
+    cores = max(1, int(total.get("CPU", 1)) // processes)
     env = {"JAXLLAMA_KERNEL_THREADS": str(cores), "JAX_PLATFORMS": "cpu"}  # no accelerator plugin is probed
     return {"num_cpus": cores, "runtime_env": {"env_vars": env}}
+
+
+def _bundle(resources: dict) -> dict:
+    """A placement group's bundle holding what an actor started with `resources` takes."""
+    return {
+        "CPU": resources.get("num_cpus", 1),
+        **({"GPU": resources["num_gpus"]} if "num_gpus" in resources else {}),
+        **resources.get("resources", {}),
+    }
+
+
+def _start(ray, actor_class, resources: dict, spec: ReplicaSpec, options: JobOptions) -> tuple[object, tuple, object]:
+    """Start a replica: (its actor, the group's other actors and placement group, the reference that is ready once
+    its model is loaded, to `describe` it). A replica over several processes is placed one process to a node where
+    the cluster has nodes enough (a soft spread: a one-host cluster holds them all)."""
+    if spec.processes == 1:
+        actor = actor_class.options(**resources).remote(spec, options)
+        return actor, (), actor.describe.remote()
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = placement_group([_bundle(resources)] * spec.processes, strategy="SPREAD")
+    members = []
+    for rank in range(spec.processes):
+        placed = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
+        ordered = {"max_concurrency": 1} if rank else {}  # a follower answers its blocks in the order they are sent
+        actor = actor_class.options(**resources, **ordered, scheduling_strategy=placed)
+        members.append(actor.remote(spec, options, rank))
+    leader, followers = members[0], members[1:]
+    return leader, (*followers, group), leader.lead.remote(followers)
+
+
+def _stop(ray, seat: _Seat) -> None:
+    """Kill a replica's actors, and free its placement group."""
+    ray.kill(seat.actor)
+    *followers, group = seat.group or (None,)
+    for actor in followers:
+        ray.kill(actor)
+    if group is not None:
+        ray.util.remove_placement_group(group)
 
 
 def run_job_on_ray(
@@ -163,9 +280,13 @@ def run_job_on_ray(
     `block_lines` lines (default: an eighth of a replica's slots); `replica_class`: `Replica` or one like it.
     Returns (job statistics, summary dict: `run_job`'s, with "replicas": their figures). Raises what `run_job`
     raises, and RuntimeError when every replica is lost."""
-    ray = connect(address)
-    block = block_lines or max(1, spec.options.max_slots // BLOCK_OF_SLOTS)
-    in_flight = -(-spec.options.max_slots // block) + 1
+    processes = replicas * spec.processes
+    ray = connect(address, num_cpus=max(os.cpu_count() or 1, processes))  # a local cluster: a core a process at least
+    if spec.processes == 1:
+        block = block_lines or max(1, spec.options.max_slots // BLOCK_OF_SLOTS)
+        in_flight = -(-spec.options.max_slots // block) + 1
+    else:  # blocks answered whole, one after another: a block fills the slots, the next one waits its turn
+        block, in_flight = block_lines or spec.options.max_slots, 2
     actor_class = ray.remote(max_restarts=0, max_concurrency=in_flight + 1)(replica_class)
     seats: list[_Seat] = []
     start, loaded = time.perf_counter(), []
@@ -173,22 +294,21 @@ def run_job_on_ray(
     def answer(lines: list[JobLine], tally: Tally) -> None:
         if not lines:
             return
-        resources = replica_resources(ray, replicas)
-        new = lambda: actor_class.options(**resources).remote(spec, options)  # noqa: E731
+        resources = process_resources(ray, processes)
 
         def restart(seat: _Seat) -> None:
-            ray.kill(seat.actor)
+            _stop(ray, seat)
             if seat.restarts == RESTARTS:
                 seat.dead = True
                 return
             seat.restarts += 1
-            seat.actor = new()
-            seat.loading = seat.actor.describe.remote()
+            seat.actor, seat.group, seat.loading = _start(ray, actor_class, resources, spec, options)
 
-        actors = [new() for _ in range(replicas)]
-        abouts = ray.get([a.describe.remote() for a in actors])  # each model loaded, or its failure raised here
+        started = [_start(ray, actor_class, resources, spec, options) for _ in range(replicas)]
+        abouts = ray.get([ready for *_, ready in started])  # each model loaded, or its failure raised here
         loaded.append(time.perf_counter() - start)
-        seats.extend(_Seat(i, a, about) for i, (a, about) in enumerate(zip(actors, abouts, strict=True)))
+        for i, ((actor, group, _), about) in enumerate(zip(started, abouts, strict=True)):
+            seats.append(_Seat(i, actor, about, group))
         _drive(ray, Dispatcher(lines, block), seats, tally, restart, in_flight)
 
     stats = answer_job(job, output, options, answer, agree=False)
@@ -208,7 +328,7 @@ def run_job_on_ray(
     out["replicas_loaded_s"] = round(loaded[0], 3) if loaded else 0.0  # of wall_s: starting the replicas
     out["replicas"] = [seat.figures(wall) for seat in seats]
     for seat in seats:
-        ray.kill(seat.actor)
+        _stop(ray, seat)
     return stats, out
 
 

@@ -4,6 +4,10 @@ A driver (`jaxllama/ray.py`) hands a replica several blocks at once so that its 
 each block's caller, on a thread of its own, gets that block's records when its last line ends, while the engine
 goes on with the others' lines (one engine, one thread stepping it: `ReplicaLoop._loop`). The records are those
 `run_job` writes for the same lines (`JobOnEngine`), so that a job answers alike on one process and on many.
+
+A replica over several processes (one jax.distributed group: a model too large for a host) cannot take blocks as
+they arrive, since each process would see them arrive at another step: every process answers the same blocks whole,
+one after another (`LockstepLoop`), and so takes the same steps.
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ class ReplicaStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     busy_s: float = 0.0
+
+    def count(self, a: Answered) -> None:
+        self.lines += 1
+        self.prompt_tokens += a.prompt_tokens
+        self.completion_tokens += a.completion_tokens
 
 
 class _Block:
@@ -83,9 +92,29 @@ class ReplicaLoop:
     def _deliver(self, a: Answered) -> None:
         block = self._block_of.pop(a.number)
         block.answers.append(a)
-        self.stats.lines += 1
-        self.stats.prompt_tokens += a.prompt_tokens
-        self.stats.completion_tokens += a.completion_tokens
+        self.stats.count(a)
         block.left -= 1
         if block.left == 0:
             block.done.set()
+
+
+class LockstepLoop:
+    """An `LLM`'s engine over several processes answering blocks one at a time, each block's lines run to their ends
+    before the next starts: given the same blocks in the same order, every process of the group takes the same
+    steps. The caller orders the blocks (one at a time: `answer` is not to be called from two threads at once)."""
+
+    def __init__(self, llm, options: JobOptions):
+        self.llm, self.options = llm, options
+        self.stats = ReplicaStats()
+
+    def answer(self, lines: list[JobLine]) -> list[Answered]:
+        answers: list[Answered] = []
+        start = time.perf_counter()
+        batch = JobOnEngine(self.llm, job_pipeline(self.llm, self.options), answers.append)
+        for line in lines:
+            batch.submit(line)
+        batch.generate()
+        self.stats.busy_s += time.perf_counter() - start
+        for a in answers:
+            self.stats.count(a)
+        return answers

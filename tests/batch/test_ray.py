@@ -242,3 +242,18 @@ def test_ray_datas_map_batches_answers_rows_as_a_job_answers_lines(cluster, tiny
         else:
             assert (a["answer"], a["finish_reason"], a["error"]) == (want["text"], want["finish_reason"], None)
             assert a["completion_tokens"] == want["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (("--replicas", "0"), "--replicas 0: must be a whole number"),
+        (("--replica-processes", "0"), "--replica-processes 0: must be a whole number"),
+        (("--coordinator", "127.0.0.1:1"), "--replica-processes N"),
+    ],
+)
+def test_a_ray_flag_that_cannot_work_is_refused_before_anything_starts(tiny_chat_checkpoint, tmp_path, flags, said):
+    job = write_job(tmp_path / "job.jsonl", LINES[:1])
+    done = jaxllama_here("run", job, "--model", tiny_chat_checkpoint, "--ray", "local", *flags)
+    assert done.returncode == 2 and said in done.stderr
+    assert not (tmp_path / "job.out.jsonl").exists() and not ray.is_initialized()
