@@ -19,11 +19,12 @@ concurrency=N)` maps rows holding a prompt or messages (and any sampling fields)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import socket
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,7 @@ import numpy as np
 from jaxllama.batch.dispatch import Dispatcher
 from jaxllama.batch.jobs import JobLine
 from jaxllama.batch.replica import LockstepLoop, ReplicaLoop
-from jaxllama.batch.runner import Answered, JobOptions, JobStats, Tally, answer_job, job_summary
+from jaxllama.batch.runner import WINDOW_LINES, Answered, JobOptions, JobStats, Tally, answer_job, job_summary
 from jaxllama.engine.options import EngineOptions
 from jaxllama.engine.stats import EngineStats
 
@@ -291,9 +292,12 @@ def run_job_on_ray(
     seats: list[_Seat] = []
     start, loaded = time.perf_counter(), []
 
-    def answer(lines: list[JobLine], tally: Tally) -> None:
-        if not lines:
+    def answer(lines: Iterator[JobLine], tally: Tally) -> None:
+        lines = iter(lines)
+        first = next(lines, None)
+        if first is None:
             return
+        lines = itertools.chain([first], lines)
         resources = process_resources(ray, processes)
 
         def restart(seat: _Seat) -> None:
@@ -309,7 +313,7 @@ def run_job_on_ray(
         loaded.append(time.perf_counter() - start)
         for i, ((actor, group, _), about) in enumerate(zip(started, abouts, strict=True)):
             seats.append(_Seat(i, actor, about, group))
-        _drive(ray, Dispatcher(lines, block), seats, tally, restart, in_flight)
+        _drive(ray, _Feed(lines, Dispatcher(block), replicas * in_flight), seats, tally, restart, in_flight)
 
     stats = answer_job(job, output, options, answer, agree=False)
     wall = time.perf_counter() - start
@@ -332,9 +336,26 @@ def run_job_on_ray(
     return stats, out
 
 
-def _drive(ray, dispatcher: Dispatcher, seats: list[_Seat], tally: Tally, restart, in_flight: int) -> None:
+class _Feed:
+    """The job's lines into the dispatcher, a window at a time, whenever it has fewer blocks waiting than `blocks`
+    (every replica's in flight): the driver holds a window or two of the job, whatever its length."""
+
+    def __init__(self, lines: Iterator[JobLine], dispatcher: Dispatcher, blocks: int):
+        self.lines, self.dispatcher, self.blocks = lines, dispatcher, blocks
+
+    def top_up(self) -> Dispatcher:
+        d = self.dispatcher
+        while not d.closed and d.pending < self.blocks:
+            window = list(itertools.islice(self.lines, WINDOW_LINES))
+            d.add(window)
+            if len(window) < WINDOW_LINES:
+                d.close()
+        return d
+
+
+def _drive(ray, feed: _Feed, seats: list[_Seat], tally: Tally, restart, in_flight: int) -> None:
     """Keep every live replica fed with up to `in_flight` blocks until every line is answered."""
-    while not dispatcher.finished:
+    while not (dispatcher := feed.top_up()).finished:
         for seat in seats:
             while seat.ready and len(seat.in_flight) < in_flight:
                 lines = dispatcher.next_block(seat.index, busy=bool(seat.in_flight))

@@ -53,17 +53,22 @@ def _longest_first(line: JobLine) -> tuple[float, int]:
 
 
 class Dispatcher:
-    """Blocks of lines for replicas, by `next_block(replica, busy)`, until every line is answered (`done`) or out
-    of tries (`lost`)."""
+    """Blocks of lines for replicas, by `next_block(replica, busy)`, until every line `add`ed is answered (`done`)
+    or out of tries (`lost`), and no more will be added (`close`)."""
 
-    def __init__(self, lines: list[JobLine], block_lines: int):
+    def __init__(self, block_lines: int):
         self.block_lines = max(1, block_lines)
         self.tries: collections.Counter[int] = collections.Counter()
-        self.unfinished = len(lines)
+        self.unfinished = 0
+        self.closed = False
         self._pending: collections.deque[tuple[Hashable, list[JobLine]]] = collections.deque()
         self._suspects: collections.deque[JobLine] = collections.deque()
         self._kinds: dict[Hashable, Hashable] = {}  # a kind of line -> the replica that last took it
         self._alone: set[Hashable] = set()  # replicas running a suspect line, and nothing else until it ends
+
+    def add(self, lines: list[JobLine]) -> None:
+        """More of the job's lines (a window of them: blocks are made, and ordered, within each)."""
+        self.unfinished += len(lines)
         blocks, by_kind = [], {}
         for line in lines:
             kind = affinity(line)
@@ -77,14 +82,20 @@ class Dispatcher:
         rest = sorted((line for group in by_kind.values() for line in group), key=_longest_first)
         blocks += [(None, rest[i : i + self.block_lines]) for i in range(0, len(rest), self.block_lines)]
         blocks.sort(key=lambda b: _longest_first(b[1][0]))
-        self._pending = collections.deque(blocks)
+        self._pending.extend(blocks)
+
+    def close(self) -> None:
+        """No more lines will be added."""
+        self.closed = True
+
+    @property
+    def pending(self) -> int:
+        """Blocks waiting for a replica."""
+        return len(self._pending) + len(self._suspects)
 
     @property
     def finished(self) -> bool:
-        return self.unfinished == 0
-
-    def has_pending(self) -> bool:
-        return bool(self._pending or self._suspects)
+        return self.closed and self.unfinished == 0
 
     def next_block(self, replica: Hashable, busy: bool) -> list[JobLine] | None:
         """A block for `replica` (`busy`: it has blocks in flight), or None: nothing for it now."""

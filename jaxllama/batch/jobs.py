@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,24 +43,36 @@ class JobLine:
 def read_job(job: Path) -> list[JobLine]:
     """The job's lines (blank ones left out, the others keeping their line numbers). Raises OSError if the file
     cannot be read; what is in it never fails more than the lines it is in."""
-    try:
-        data = job.read_bytes()
-    except OSError as e:
-        raise OSError(f"{job}: cannot read the job file ({e})") from None
-    return [line for number, raw in enumerate(split_lines(data), start=1) if (line := read_bytes(raw, number))]
+    return list(stream_job(job))
+
+
+def stream_job(job: Path) -> Iterator[JobLine]:
+    """The job's lines as `read_job` gives them, read as they are asked for: a job of any length in the memory of a
+    line."""
+    for number, raw in _raw_lines(job):
+        if line := read_bytes(raw, number):
+            yield line
 
 
 def count_lines(job: Path) -> int:
     """The job's lines that are not blank (OSError if the file cannot be read)."""
-    return sum(1 for raw in split_lines(job.read_bytes()) if raw.strip())
+    return sum(1 for _, raw in _raw_lines(job) if raw.strip())
 
 
-def split_lines(data: bytes) -> list[bytes]:
-    """JSONL lines: they end at "\\n" only (U+2028, U+2029, U+0085 and a bare CR are legal inside JSON strings);
-    a "\\r" before the "\\n" and a UTF-8 byte order mark at the start are no part of a line."""
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
-    return [raw[:-1] if raw.endswith(b"\r") else raw for raw in data.split(b"\n")]
+def _raw_lines(job: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of each JSONL line: lines end at "\n" only (U+2028, U+2029, U+0085 and a bare CR are
+    legal inside JSON strings); a "\r" before the "\n" and a UTF-8 byte order mark at the start are no part of a
+    line. OSError, naming the file, where it cannot be read."""
+    try:
+        f = open(job, "rb")  # noqa: SIM115 - closed below, after the last line is yielded
+    except OSError as e:
+        raise OSError(f"{job}: cannot read the job file ({e})") from None
+    with f:
+        for number, raw in enumerate(f, start=1):  # a binary file's lines end at b"\n" alone
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            raw = raw[:-1] if raw.endswith(b"\n") else raw
+            yield number, raw[:-1] if raw.endswith(b"\r") else raw
 
 
 def read_bytes(raw: bytes, number: int) -> JobLine | None:

@@ -3,10 +3,13 @@ job's lines by id, and which lines still have to run."""
 
 from __future__ import annotations
 
-import dataclasses
+import array
+import hashlib
 import json
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from pathlib import Path
+
+import numpy as np
 
 from jaxllama.batch import records
 from jaxllama.batch.jobs import JobLine
@@ -41,32 +44,55 @@ def _read_records(path: Path) -> list[dict]:
     return found
 
 
-@dataclasses.dataclass
-class Plan:
-    """Per line of the job, in order: its record from an earlier run if it counts as done, else the line runs
-    (`duplicate`: the error it fails with at once, its id being an earlier line's)."""
+class Planner:
+    """Which lines of a job run, decided line by line as the job streams past, in memory that does not grow with the
+    job: `scan` first reads every line once (counting what will be kept or run again, and finding the ids that more
+    than one line has, by 8-byte hashes of all of them), then `decide` says, for each line again in order, whether
+    it is done already (its record), a duplicate (its error) or to run.
 
-    kept: dict[int, dict]  # line number -> record kept as it is
-    todo: list[tuple[JobLine, DuplicateId | None]]
-    retried: int = 0  # lines whose error record is replaced by running them again
-    kept_errors: int = 0  # kept records that are errors (with retries off)
-    others: list[dict] = dataclasses.field(default_factory=list)  # records of ids that no line of the job has
+    A line runs if it has no record, or, with `retry_errors`, an error record. A line whose id an earlier line has is
+    never done: it fails again as a duplicate, which costs nothing. `done`: the records of earlier runs, by id
+    (`load_records`)."""
+
+    def __init__(self, done: dict[Hashable, dict], retry_errors: bool):
+        self.done, self.retry_errors = done, retry_errors
+        self.lines = self.kept = self.kept_errors = self.retried = 0
+        self._repeated: set[int] = set()  # hashes of the ids more than one line has (or that collide)
+        self._seen: set[Hashable] = set()  # of those ids, the ones already decided
+        self._matched: set[Hashable] = set()  # ids of `done` that a line has
+
+    def scan(self, lines: Iterable[JobLine]) -> None:
+        hashes = array.array("Q")  # 8 bytes a line
+        for line in lines:
+            self.lines += 1
+            hashes.append(_id_hash(line.id))
+            if line.id in self.done and line.id not in self._matched:  # its first line takes the record
+                self._matched.add(line.id)
+                record = self.done[line.id]
+                if self.retry_errors and records.is_error(record):
+                    self.retried += 1
+                else:
+                    self.kept += 1
+                    self.kept_errors += records.is_error(record)
+        unique, counts = np.unique(np.frombuffer(hashes, np.uint64), return_counts=True)
+        self._repeated = set(unique[counts > 1].tolist())
+
+    def decide(self, line: JobLine) -> tuple[dict | None, DuplicateId | None]:
+        """(its record, where the line is done already; the error it fails with, where its id is an earlier line's)."""
+        if _id_hash(line.id) in self._repeated:
+            if line.id in self._seen:
+                return None, DuplicateId(f"id {line.id!r} is used by an earlier line")
+            self._seen.add(line.id)
+        record = self.done.get(line.id)
+        if record is not None and not (self.retry_errors and records.is_error(record)):
+            return record, None
+        return None, None
+
+    def others(self) -> list[dict]:
+        """The records of earlier runs whose ids no line of the job has (kept, after the job's lines)."""
+        return [record for rid, record in self.done.items() if rid not in self._matched]
 
 
-def plan(lines: list[JobLine], done: dict[Hashable, dict], retry_errors: bool) -> Plan:
-    """Which lines run: those without a record, and with `retry_errors` those whose record is an error. A line
-    whose id an earlier line has is never done: it fails again as a duplicate, which costs nothing."""
-    result, seen = Plan({}, []), set()
-    for line in lines:
-        record = done.get(line.id) if line.id not in seen else None
-        if line.id in seen:
-            result.todo.append((line, DuplicateId(f"id {line.id!r} is used by an earlier line")))
-        elif record is not None and not (retry_errors and records.is_error(record)):
-            result.kept[line.number] = record
-            result.kept_errors += records.is_error(record)
-        else:
-            result.retried += record is not None
-            result.todo.append((line, None))
-        seen.add(line.id)
-    result.others = [record for rid, record in done.items() if rid not in seen]
-    return result
+def _id_hash(rid: Hashable) -> int:
+    text = f"{type(rid).__name__}:{rid}".encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")

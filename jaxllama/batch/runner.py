@@ -13,18 +13,19 @@ Multi-host: every process reads the same job and runs the same engine loop; only
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
 from jaxllama.batch import records
-from jaxllama.batch.jobs import JobLine, read_job
+from jaxllama.batch.jobs import JobLine, read_job, stream_job
 from jaxllama.batch.progress import Progress
-from jaxllama.batch.resume import Plan, load_records, plan
+from jaxllama.batch.resume import Planner, load_records
 from jaxllama.batch.settings import check_settings, record_settings, settings_path
 from jaxllama.batch.writer import OrderedWriter, journal_path
 from jaxllama.engine.request import SamplingParams
@@ -135,11 +136,22 @@ def run_job(llm, job: Path, output: Path | None = None, options: JobOptions = Jo
     the output was written with other settings, JobInterrupted on Ctrl-C after keeping what finished."""
     before = dataclasses.replace(llm.stats)
 
-    def answer(lines: list[JobLine], tally: Tally) -> None:
+    def answer(lines: Iterator[JobLine], tally: Tally) -> None:
         batch = JobOnEngine(llm, job_pipeline(llm, options), tally.add)
-        for line in lines:
-            batch.submit(line)
-        batch.generate()
+        ended = False
+        while True:
+            if not ended:  # the engine's queue topped up: what it chooses among (longest first) is this many lines
+                room = QUEUED_LINES - len(batch.running)
+                taken = 0
+                for line in itertools.islice(lines, max(0, room)):
+                    batch.submit(line)
+                    taken += 1
+                ended = taken < room
+            if not batch.has_work():
+                if ended:
+                    return
+                continue
+            batch.step()
 
     stats = answer_job(job, output, options, answer)
     return stats, summary(stats, llm, before)
@@ -157,31 +169,31 @@ def answer_job(
     job: Path,
     output: Path | None,
     options: JobOptions,
-    answer: Callable[[list[JobLine], Tally], None],
+    answer: Callable[[Iterator[JobLine], Tally], None],
     agree: bool = True,
 ) -> JobStats:
     """Read the job, keep what an earlier run finished, and have `answer(lines, tally)` answer each line still to
-    run (a line whose id an earlier line has fails at once), every record going through the ordered writer and its
-    journal. `agree`: every process of a multi-host run takes process 0's plan (false where only one process reads
-    the job: a driver of replicas, which leaves the devices to them)."""
+    run, every record going through the ordered writer and its journal. `lines` is read from the job as `answer`
+    asks for more (a job of any length in bounded memory); a line done already is written, and one whose id an
+    earlier line has failed, as the reading passes it. `agree`: every process of a multi-host run takes process 0's
+    decisions (false where only one process reads the job: a driver of replicas, which leaves the devices to
+    them)."""
     o = options
     job = Path(job)
     output = Path(output) if output else default_output(job)
     stats, progress = JobStats(), None
     start = time.perf_counter()
     try:
-        lines = read_job(job)
-        stats.requests = len(lines)
         if o.write:
             _prepare_output(output, o.settings, o.overwrite)
-        found = _plan(lines, load_records(output) if o.write else {}, o.retry_errors, stats, agree)
-        progress = Progress(len(found.todo), quiet=o.quiet, initial_skipped=stats.skipped, retried=stats.retried)
-        with OrderedWriter(output if o.write else None, *_order(lines, found)) as writer:
+        planner = Planner(load_records(output) if o.write else {}, o.retry_errors)
+        planner.scan(stream_job(job))
+        _count(planner, stats, agree)
+        todo = stats.requests - stats.skipped
+        progress = Progress(todo, quiet=o.quiet, initial_skipped=stats.skipped, retried=stats.retried)
+        with OrderedWriter(output if o.write else None, kept=planner.done.values()) as writer:
             tally = Tally(writer, stats, progress)
-            for line, duplicate in found.todo:
-                if duplicate is not None:
-                    tally.add(Answered(line.number, records.failure(line, duplicate), ok=False))
-            answer([line for line, duplicate in found.todo if duplicate is None], tally)
+            answer(_to_run(job, planner, writer, tally, agree), tally)
     except KeyboardInterrupt:
         raise JobInterrupted(stats.skipped + stats.ok + stats.failed, stats.requests, output) from None
     finally:
@@ -189,6 +201,45 @@ def answer_job(
             progress.close()
     stats.wall_s = time.perf_counter() - start
     return stats
+
+
+# Lines read and decided at a time (a multi-host run agrees on each window's at once), and the most a one-process
+# job's engine queues: what longest-first scheduling chooses among.
+WINDOW_LINES = 4096
+QUEUED_LINES = 16384
+
+
+def _count(planner: Planner, stats: JobStats, agree: bool) -> None:
+    """The job's counts from the scan, as process 0 (the one that reads the output) found them, on every process."""
+    found = np.array([planner.lines, planner.kept, planner.kept_errors, planner.retried], np.int64)
+    found = broadcast_from_main(found) if agree else found
+    stats.requests, stats.skipped, stats.kept_errors, stats.retried = (int(x) for x in found)
+
+
+def _to_run(job: Path, planner: Planner, writer: OrderedWriter, tally: Tally, agree: bool) -> Iterator[JobLine]:
+    """The job's lines that run, read a window at a time; each line's place told to the writer as it is read, with
+    its record where an earlier run answered it, or its error where its id is an earlier line's. The records of
+    earlier runs whose ids no line has follow the job's lines."""
+    last = 0
+    for window in _windows(stream_job(job), WINDOW_LINES):
+        decided = [(line, *planner.decide(line)) for line in window]
+        if agree:  # process 0's records decide what is done, on every process
+            done = np.array([record is not None for _, record, _ in decided], np.uint8)
+            done = broadcast_from_main(done).astype(bool)
+            decided = [
+                (line, (record or {}) if d else None, dup)  # {}: a process that writes nothing holds nothing
+                for (line, record, dup), d in zip(decided, done, strict=True)
+            ]
+        for line, record, duplicate in decided:
+            writer.expect(line.number, record)
+            if duplicate is not None:
+                tally.add(Answered(line.number, records.failure(line, duplicate), ok=False))
+            elif record is None:
+                yield line
+        last = window[-1].number
+    for i, record in enumerate(planner.others()):
+        writer.expect(last + 1 + i, record)
+    writer.end()
 
 
 def _prepare_output(output: Path, settings: dict | None, overwrite: bool) -> None:
@@ -202,26 +253,10 @@ def _prepare_output(output: Path, settings: dict | None, overwrite: bool) -> Non
         record_settings(output, settings)
 
 
-def _plan(lines: list[JobLine], done: dict, retry_errors: bool, stats: JobStats, agree: bool) -> Plan:
-    """Which lines run, as process 0 (the one that reads the output) decides, on every process (`agree`); counted
-    in `stats`."""
-    found = plan(lines, done, retry_errors)
-    if not agree:
-        stats.skipped, stats.kept_errors, stats.retried = len(found.kept), found.kept_errors, found.retried
-        return found
-    kept = np.array([line.number in found.kept for line in lines], dtype=np.uint8)
-    kept = {line.number for line, k in zip(lines, broadcast_from_main(kept).astype(bool), strict=True) if k}
-    found.todo = [(line, duplicate) for line, duplicate in found.todo if line.number not in kept]
-    stats.skipped, stats.kept_errors, stats.retried = len(kept), found.kept_errors, found.retried
-    return found
-
-
-def _order(lines: list[JobLine], found: Plan) -> tuple[list[int], dict[int, dict]]:
-    """The writer's keys in output order, and the records already known by key: the job's lines by line number,
-    then the records kept from earlier runs whose ids no line of this job has (numbered after the last line)."""
-    last = lines[-1].number if lines else 0
-    others = {last + 1 + i: record for i, record in enumerate(found.others)}
-    return [line.number for line in lines] + list(others), {**found.kept, **others}
+def _windows(lines: Iterator[JobLine], size: int) -> Iterator[list[JobLine]]:
+    lines = iter(lines)
+    while window := list(itertools.islice(lines, size)):
+        yield window
 
 
 class JobOnEngine:

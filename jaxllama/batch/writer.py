@@ -3,9 +3,10 @@ kept as they finish in a journal beside it, so that a killed or interrupted job 
 
 from __future__ import annotations
 
+import collections
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from jaxllama.batch import records
@@ -19,39 +20,61 @@ def journal_path(output: Path) -> Path:
 
 class OrderedWriter:
     """Holds finished records by key (a line number) and writes each to the output, flushed, as soon as it and
-    every record before it in `order` are. Each record is first appended to the journal (flushed at once, fsynced
+    every record before it in the order are. Each record is first appended to the journal (flushed at once, fsynced
     at most every `SYNC_EVERY_S`), whatever its place, since longest-first scheduling finishes lines far out of
     order. The output and the journal together thus always hold every finished line; a resumed run reads both
     back (`resume.load_records`). Once every record is in the output, the journal is removed.
 
-    `known`: records done before this run (by key), kept as they are. At the start the output is rewritten
-    (atomically) as the known records of the first keys of `order`, the rest of them going to a new journal.
-    With `path` None (a process other than the one that writes), nothing is written."""
+    The order is told as the job is read (`expect`, then `end`), or given whole (`order`, with `known`: records done
+    before this run, by key). `kept`: the records of earlier runs; at the start they become the journal and the
+    output starts empty, each written to it again as its line's turn comes. With `path` None (a process other than
+    the one that writes), nothing is written."""
 
-    def __init__(self, path: Path | None, order: Sequence[int], known: Mapping[int, dict] | None = None):
-        self._order = list(order)
-        self._next = 0  # index in `_order` of the next record to write
-        self._held = {key: records.dumps(record) + "\n" for key, record in (known or {}).items()}
+    def __init__(
+        self,
+        path: Path | None,
+        order: Sequence[int] | None = None,
+        known: Mapping[int, dict] | None = None,
+        kept: Iterable[dict] = (),
+    ):
+        self._order: collections.deque[int] = collections.deque()  # the keys expected and not yet written
+        self._held: dict[int, str] = {}
+        self._ended = False
         self._output = self._journal = None
         if path is not None:
-            self._restart(path)
+            self._restart(path, [*kept, *(known or {}).values()])
         self._synced = time.monotonic()
+        if order is not None:
+            for key in order:
+                self.expect(key, (known or {}).get(key))
+            self.end()
 
-    def _restart(self, path: Path) -> None:
-        """Rewrite the output as the known records in order up to the first missing one, and the journal as the
-        others; then open both to append. The output is replaced before the journal, so that a kill in between
-        leaves the old journal, whose records the new output may also hold: a resume takes each once."""
+    def _restart(self, path: Path, kept: list[dict]) -> None:
+        """The journal rewritten as the records kept, then the output emptied; both opened to append. The journal is
+        replaced before the output, so that a kill in between leaves every record in one or the other."""
         journal = journal_path(path)
-        prefix = "".join(self._fold())
-        if not (path.exists() and path.read_text(encoding="utf-8", errors="replace") == prefix):
-            replace_file(path, prefix)
-        if self._held:
-            replace_file(journal, "".join(self._held.values()))
-        else:
+        if kept:
+            replace_file(journal, "".join(records.dumps(record) + "\n" for record in kept))
+        if path.exists() and path.stat().st_size:
+            replace_file(path, "")
+        if not kept:
             journal.unlink(missing_ok=True)
         self._path = path
         self._output = open(path, "a", encoding="utf-8")
         self._journal = open(journal, "a", encoding="utf-8")
+
+    def expect(self, key: int, record: dict | None = None) -> None:
+        """The next key of the order; `record`: its record, kept from an earlier run (in the journal already)."""
+        if self._journal is None:
+            return
+        self._order.append(key)
+        if record is not None:
+            self._held[key] = records.dumps(record) + "\n"
+        self._write()
+
+    def end(self) -> None:
+        """Every key of the order has been told."""
+        self._ended = True
 
     def put(self, key: int, record: dict) -> None:
         """A finished record: kept in the journal at once, written to the output as soon as its turn comes."""
@@ -64,19 +87,17 @@ class OrderedWriter:
             os.fsync(self._journal.fileno())
             self._synced = time.monotonic()
         self._held[key] = text
-        for text in self._fold():
-            self._output.write(text)
-            self._output.flush()
+        self._write()
 
-    def _fold(self):
-        """The held records whose turn has come, in order; each leaves `_held` as it is yielded."""
-        while self._next < len(self._order) and self._order[self._next] in self._held:
-            yield self._held.pop(self._order[self._next])
-            self._next += 1
+    def _write(self) -> None:
+        """Write the held records whose turn has come, in order."""
+        while self._order and self._order[0] in self._held:
+            self._output.write(self._held.pop(self._order.popleft()))
+        self._output.flush()
 
     @property
     def complete(self) -> bool:
-        return self._next == len(self._order)
+        return self._ended and not self._order
 
     def close(self) -> None:
         """Make what was written durable; once the output holds every record, remove the journal."""
