@@ -74,8 +74,9 @@ class Planner:
                 else:
                     self.kept += 1
                     self.kept_errors += records.is_error(record)
-        unique, counts = np.unique(np.frombuffer(hashes, np.uint64), return_counts=True)
-        self._repeated = set(unique[counts > 1].tolist())
+        ordered = np.frombuffer(hashes, np.uint64)  # the array's own memory, sorted in place: no copy of it
+        ordered.sort()
+        self._repeated = set(ordered[1:][ordered[1:] == ordered[:-1]].tolist())
 
     def decide(self, line: JobLine) -> tuple[dict | None, DuplicateId | None]:
         """(its record, where the line is done already; the error it fails with, where its id is an earlier line's)."""

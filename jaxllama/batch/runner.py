@@ -12,6 +12,7 @@ Multi-host: every process reads the same job and runs the same engine loop; only
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import itertools
 import sys
@@ -60,7 +61,7 @@ class JobStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     wall_s: float = 0.0
-    ttft_ms: list = dataclasses.field(default_factory=list)
+    ttft_ms: array.array = dataclasses.field(default_factory=lambda: array.array("d"))  # 8 bytes a line
 
     @property
     def has_errors(self) -> bool:
@@ -331,7 +332,7 @@ def summary(stats: JobStats, llm, before: EngineStats) -> dict:
 
 def job_summary(stats: JobStats, e: EngineStats, slots: int) -> dict:
     """The summary of a job whose lines `stats` counts, run by engines that did `e` with `slots` slots in all."""
-    ttft = np.array(stats.ttft_ms) if stats.ttft_ms else np.zeros(1)
+    ttft = np.frombuffer(stats.ttft_ms, np.float64) if stats.ttft_ms else np.zeros(1)
     wall = max(stats.wall_s, 1e-9)
     out = {
         "requests": stats.requests,
