@@ -60,8 +60,8 @@ def count_lines(job: Path) -> int:
 
 
 def _raw_lines(job: Path) -> Iterator[tuple[int, bytes]]:
-    """(line number, bytes) of each JSONL line: lines end at "\n" only (U+2028, U+2029, U+0085 and a bare CR are
-    legal inside JSON strings); a "\r" before the "\n" and a UTF-8 byte order mark at the start are no part of a
+    """(line number, bytes) of each JSONL line: lines end at "\\n" only (U+2028, U+2029, U+0085 and a bare CR are
+    legal inside JSON strings); a "\\r" before the "\\n" and a UTF-8 byte order mark at the start are no part of a
     line. OSError, naming the file, where it cannot be read."""
     try:
         f = open(job, "rb")  # noqa: SIM115 - closed below, after the last line is yielded

@@ -80,7 +80,7 @@ class Planner:
 
     def decide(self, line: JobLine) -> tuple[dict | None, DuplicateId | None]:
         """(its record, where the line is done already; the error it fails with, where its id is an earlier line's)."""
-        if _id_hash(line.id) in self._repeated:
+        if self._repeated and _id_hash(line.id) in self._repeated:  # hashed again only where some id repeats
             if line.id in self._seen:
                 return None, DuplicateId(f"id {line.id!r} is used by an earlier line")
             self._seen.add(line.id)
