@@ -6,8 +6,9 @@ jaxllama serve [--model PATH] [--host 127.0.0.1] [--port 8000] ...
 jaxllama info [PATH]
 jaxllama chat [--model PATH]
 
-Each command's flags are its keyword parameters; --help describes a flag from the command's docstring (`Args:`), or
-from FLAG_HELP where several commands share it.
+Each command's flags are its keyword parameters, those that several commands share written once in groups
+(`cli_flags.py`) and passed to the command as values; --help describes a flag from the command's docstring (`Args:`),
+or from its group where the docstring does not.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import sys
 
 import fire
 
-from jaxllama.engine.buckets import DEFAULT_SLOTS
-from jaxllama.engine.request import SamplingParams
+from jaxllama import cli_flags
+from jaxllama.cli_flags import EngineFlags, Group, ModelFlags, SamplingFlags, command
 from jaxllama.errors import ModelTooLarge
 
 log = logging.getLogger("jaxllama.cli")  # not __name__: run as a program, that is __main__
 
-REPEATABLE = ("stop", "eos_id")  # flags given once per value
+REPEATABLE = cli_flags.REPEATABLE  # flags given once per value
 # Exit statuses besides 0 (done): 1, a job ended with error records for some lines; 2, a command line, flag value or
 # input refused before work began; CRASHED, a failure nothing expected (a bug, with its traceback); INTERRUPTED, Ctrl-C.
 CRASHED, INTERRUPTED = 3, 130
@@ -34,34 +35,35 @@ CRASHED, INTERRUPTED = 3, 130
 LOAD_ERRORS = (ValueError, OSError, ModelTooLarge)
 
 
-def _load(model, options, *, mesh=None, dtype=None, chat_template=None, eos_id=None, quiet=False):
-    """The model a command runs (`model`: a path or None for the default model), its engine sized and run by
+def _load(flags: ModelFlags, options, *, quiet=False):
+    """The model a command runs (`flags.model`: a path or None for the default model), its engine sized and run by
     `options` (`EngineOptions`, checked already: a flag's bad value is refused before anything loads)."""
     from jaxllama.core.config import ModelConfig
     from jaxllama.default_model import resolve_model
     from jaxllama.engine.runtime import initialize_distributed
     from jaxllama.llm import LLM, check_dtype
 
-    check_dtype(dtype)
+    check_dtype(flags.dtype)
     _log_to_stderr(logging.WARNING if quiet else logging.INFO)
     initialize_distributed()  # a multi-host run by JAX's environment variables, where `run` has not joined one
-    path = resolve_model(model, progress=not quiet)
+    path = resolve_model(flags.model, progress=not quiet)
     log.info("loading %s (%.0f M parameters)", path, ModelConfig.load(path).n_params / 1e6)
+    extra = flags.eos_ids
     llm = LLM.load(
-        path, options, mesh=mesh, chat_template=chat_template, extra_eos_ids=_as_list(eos_id, int), dtype=dtype
+        path, options, mesh=flags.mesh, chat_template=flags.chat_template, extra_eos_ids=extra, dtype=flags.dtype
     )
     _warn_if_cpu_mesh(llm)
     return llm
 
 
-def _replica_spec(ray, replicas, processes, coordinator, model, options, mesh, dtype, chat_template, eos_id):
+def _replica_spec(ray, replicas, processes, coordinator, flags: ModelFlags, options):
     """What each replica of a `--ray` job loads; the flags checked, and Ray's presence, before anything starts."""
     from jaxllama.llm import check_dtype
     from jaxllama.ray import ReplicaSpec, import_ray
 
-    for flag, value in (("--replicas", replicas), ("--replica-processes", processes)):
+    for name, value in (("--replicas", replicas), ("--replica-processes", processes)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            _fail(f"{flag} {value!r}: must be a whole number of at least 1")
+            _fail(f"{name} {value!r}: must be a whole number of at least 1")
     if coordinator is not None:
         _fail(
             "--ray and --coordinator: Ray forms each replica's group itself; for a replica over several hosts, "
@@ -71,36 +73,16 @@ def _replica_spec(ray, replicas, processes, coordinator, model, options, mesh, d
         import_ray()
     except ImportError as e:
         _fail(f"--ray: {e}")
-    check_dtype(dtype)
-    eos = tuple(_as_list(eos_id, int) or ())
+    check_dtype(flags.dtype)
     return ReplicaSpec(
-        model, options, mesh=mesh, dtype=dtype, chat_template=chat_template, eos_ids=eos, processes=processes
+        flags.model,
+        options,
+        mesh=flags.mesh,
+        dtype=flags.dtype,
+        chat_template=flags.chat_template,
+        eos_ids=tuple(flags.eos_ids),
+        processes=processes,
     )
-
-
-# The flag that sets each `EngineOptions` field, so that an error names what the user typed.
-_ENGINE_FLAGS = {
-    "max_slots": "--max-batch",
-    "max_context": "--max-context",
-    "decode_steps": "--decode-steps",
-    "quantize": "--quantize",
-    "kv_cache_dtype": "--kv-cache-dtype",
-}
-
-
-def _engine_options(max_batch, max_context=None, decode_steps=None, quantize=None, kv_cache_dtype=None):
-    """The flags that size and run the engine, as one value checked where it is made (a ValueError naming the flag
-    for a bad one)."""
-    from jaxllama.engine.options import EngineOptions
-    from jaxllama.errors import InvalidOption
-
-    values = dict(max_context=max_context, decode_steps=decode_steps, quantize=quantize, kv_cache_dtype=kv_cache_dtype)
-    try:
-        return EngineOptions(max_slots=max_batch, **values)
-    except InvalidOption as e:
-        if e.name in _ENGINE_FLAGS:
-            raise ValueError(f"{_ENGINE_FLAGS[e.name]}={e.value!r}: {e.expected}") from None
-        raise
 
 
 def _log_to_stderr(level: int) -> None:
@@ -133,13 +115,6 @@ def _warn_if_cpu_mesh(llm) -> None:
         )
 
 
-def _stops(stop) -> list[str]:
-    """--stop's strings, with their escapes read (a shell passes `\\n` as typed)."""
-    from jaxllama.cli_args import unescape
-
-    return [unescape(s) for s in _as_list(stop)]
-
-
 def _as_list(value, kind=str):
     if value is None:
         return []
@@ -147,28 +122,14 @@ def _as_list(value, kind=str):
     return [kind(v) for v in values]
 
 
+@command(model=ModelFlags, engine=EngineFlags, sampling=SamplingFlags)
 def run(
     job: str,
     *,
-    model: str | None = None,
     output: str | None = None,
-    mesh: str | None = None,
-    max_tokens: int = SamplingParams.max_tokens,
-    temperature: float = SamplingParams.temperature,
-    top_p: float = SamplingParams.top_p,
-    top_k: int = SamplingParams.top_k,
-    min_p: float = SamplingParams.min_p,
-    seed: int | None = SamplingParams.seed,
-    stop=None,
-    eos_id=None,
-    system_prompt: str | None = None,
-    chat_template: str | None = None,
-    max_batch: int = DEFAULT_SLOTS,
-    max_context: int | None = None,
-    decode_steps: int | None = None,
-    quantize: str | None = None,
-    dtype: str | None = None,
-    kv_cache_dtype: str | None = None,
+    model: ModelFlags,
+    sampling: SamplingFlags,
+    engine: EngineFlags,
     overwrite: bool = False,
     no_retry_errors: bool = False,
     stats_file: str | None = None,
@@ -193,13 +154,6 @@ def run(
     Args:
       job: the JSONL job file.
       output: the output JSONL file.
-      max_tokens: tokens to generate per request at most.
-      top_k: sample among the k most likely tokens (0: off).
-      min_p: drop tokens less likely than min_p times the most likely one.
-      seed: random seed for sampling (per request, reproducible whatever shares the batch).
-      stop: a stop string, in which \\n, \\t, \\r, \\\\ and \\uXXXX stand for those characters (repeat --stop
-        for more).
-      system_prompt: a system message for chat lines that have none.
       overwrite: start over instead of resuming.
       no_retry_errors: on resume, keep the error records of failed lines instead of running them again.
       stats_file: also write the summary statistics as JSON here.
@@ -221,6 +175,7 @@ def run(
     from jaxllama.batch.lock import OutputLock
     from jaxllama.batch.runner import JobInterrupted, JobOptions, default_output, print_summary, run_job
     from jaxllama.batch.settings import SettingsChanged, check_settings, job_settings
+    from jaxllama.engine.request import SamplingParams
     from jaxllama.engine.runtime import initialize_distributed, is_main_process
     from jaxllama.protocol.requests import sampling_params
 
@@ -228,20 +183,17 @@ def run(
     if not job_path.is_file():
         _fail(f"{job}: no such job file")
     try:
-        flags = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-        defaults = sampling_params(flags, SamplingParams())  # checked as a job line's fields are
-        options = dict(chat_template=chat_template, eos_id=_as_list(eos_id, int), quantize=quantize, dtype=dtype)
-        options.update(kv_cache_dtype=kv_cache_dtype, max_context=max_context)
-        settings = job_settings(model, defaults, _stops(stop), system_prompt, **options)
-        engine_options = _engine_options(max_batch, max_context, decode_steps, quantize, kv_cache_dtype)
+        defaults = sampling_params(sampling.values(), SamplingParams())  # checked as a job line's fields are
+        options = dict(chat_template=model.chat_template, eos_id=model.eos_ids, quantize=model.quantize)
+        options.update(dtype=model.dtype, kv_cache_dtype=engine.kv_cache_dtype, max_context=engine.max_context)
+        settings = job_settings(model.model, defaults, sampling.stops, sampling.system_prompt, **options)
+        engine_options = engine.options(model.quantize)
         # No more slots than the job has lines: a slot's KV cache is allocated whether or not a line uses it.
         slots = min(engine_options.max_slots, max(1, count_lines(job_path)))
         engine_options = dataclasses.replace(engine_options, max_slots=slots)
         out_path = Path(output) if output else default_output(job_path)
         if ray is not None:
-            spec = _replica_spec(
-                ray, replicas, replica_processes, coordinator, model, engine_options, mesh, dtype, chat_template, eos_id
-            )
+            spec = _replica_spec(ray, replicas, replica_processes, coordinator, model, engine_options)
             lock = OutputLock(out_path).acquire()
             if not overwrite:
                 check_settings(out_path, settings)
@@ -252,16 +204,15 @@ def run(
             if not overwrite:  # before the model loads: a resume with other settings is refused at once
                 check_settings(out_path, settings)
             quiet_here = quiet or (process_id or int(os.environ.get("JAX_PROCESS_ID", 0))) != 0
-            loading = dict(mesh=mesh, dtype=dtype, chat_template=chat_template, eos_id=eos_id, quiet=quiet_here)
-            llm = _load(model, engine_options, **loading)
+            llm = _load(model, engine_options, quiet=quiet_here)
     except LOAD_ERRORS as e:
         _fail(str(e))
     main = ray is not None or is_main_process()
     try:
         options = JobOptions(
             defaults=defaults,
-            stop=tuple(_stops(stop)),
-            system_prompt=system_prompt,
+            stop=tuple(sampling.stops),
+            system_prompt=sampling.system_prompt,
             overwrite=overwrite,
             write=main,
             retry_errors=not no_retry_errors,
@@ -292,23 +243,16 @@ def run(
         sys.exit(1)
 
 
+@command(model=ModelFlags, engine=EngineFlags)
 def serve(
     *,
-    model: str | None = None,
+    model: ModelFlags,
     host: str = "127.0.0.1",
     port: int = 8000,
-    mesh: str | None = None,
     served_model_name: str | None = None,
     max_tokens: int | None = None,
-    eos_id=None,
-    chat_template: str | None = None,
-    max_batch: int = DEFAULT_SLOTS,
+    engine: EngineFlags,
     max_queue: int = 256,
-    max_context: int | None = None,
-    decode_steps: int | None = None,
-    quantize: str | None = None,
-    dtype: str | None = None,
-    kv_cache_dtype: str | None = None,
     log_level: str = "info",
 ):
     """Serve the OpenAI API: POST /v1/chat/completions and /v1/completions (streamed with "stream": true),
@@ -327,25 +271,21 @@ def serve(
     from jaxllama.server.app import create_app
 
     try:
-        options = _engine_options(max_batch, max_context, decode_steps, quantize, kv_cache_dtype)
+        options = engine.options(model.quantize)
         quiet = log_level.lower() not in ("debug", "info", "trace")
-        llm = _load(model, options, mesh=mesh, dtype=dtype, chat_template=chat_template, eos_id=eos_id, quiet=quiet)
+        llm = _load(model, options, quiet=quiet)
         app = create_app(llm, model_name=served_model_name, max_queue=max_queue, max_tokens=max_tokens)
     except LOAD_ERRORS as e:
         _fail(str(e))
     uvicorn.run(app, host=host, port=int(port), log_level=log_level)
 
 
+@command(model=Group(ModelFlags, leave_out=("chat_template", "eos_id")), engine=Group(EngineFlags, ("decode_steps",)))
 def compile(
     *,
-    model: str | None = None,
+    model: ModelFlags,
     topology: str | None = None,
-    mesh: str | None = None,
-    max_batch: int = DEFAULT_SLOTS,
-    max_context: int | None = None,
-    dtype: str | None = None,
-    quantize: str | None = None,
-    kv_cache_dtype: str | None = None,
+    engine: EngineFlags,
     prefill=None,
     json: bool = False,
     hlo_dir: str | None = None,
@@ -389,18 +329,22 @@ def compile(
     _log_to_stderr(logging.INFO)
     try:
         prefills = [_rows_by_tokens(p) for p in _as_list(prefill) for p in p.split(",") if p] or None
-        options = _engine_options(max_batch, max_context, kv_cache_dtype=kv_cache_dtype)
+        options = engine.options()
         report = LLM.compile_for(
-            model, topology=topology, mesh=mesh, dtype=dtype, quantize=quantize, prefills=prefills, options=options
+            model.model,
+            topology=topology,
+            mesh=model.mesh,
+            dtype=model.dtype,
+            quantize=model.quantize,
+            prefills=prefills,
+            options=options,
         )
     except LOAD_ERRORS as e:
         _fail(str(e))
     prediction = None
     if job is not None:
         try:
-            prediction = _predict_job(
-                job, model, topology, mesh, dtype, quantize, options, price, assume_output, max_tokens
-            )
+            prediction = _predict_job(job, model, topology, options, price, assume_output, max_tokens)
         except LOAD_ERRORS as e:
             _fail(str(e))
     if json:
@@ -416,7 +360,7 @@ def compile(
         sys.exit(1)
 
 
-def _predict_job(job, model, topology, mesh, dtype, quantize, options, price, assume_output, max_tokens) -> dict:
+def _predict_job(job, flags: ModelFlags, topology, options, price, assume_output, max_tokens) -> dict:
     """`compile --job`: the job's sizes read as `run` reads its lines (text through the checkpoint's tokenizer and chat
     template; a shape's lines must give token ids), then its predicted run (`LLM.predict_job`), as JSON with its
     table under "table"."""
@@ -426,9 +370,11 @@ def _predict_job(job, model, topology, mesh, dtype, quantize, options, price, as
     from jaxllama.core.checkpoint import load_config
     from jaxllama.core.shapes import known_shape
     from jaxllama.default_model import resolve_model
+    from jaxllama.engine.request import SamplingParams
     from jaxllama.llm import LLM, _load_text
     from jaxllama.text.prompts import PromptEncoder
 
+    model = flags.model
     if isinstance(model, str) and known_shape(model) is not None:
         encoder = TokenIdsOnly()
     else:
@@ -443,9 +389,9 @@ def _predict_job(job, model, topology, mesh, dtype, quantize, options, price, as
         model,
         sizes.requests,
         topology=topology,
-        mesh=mesh,
-        dtype=dtype,
-        quantize=quantize,
+        mesh=flags.mesh,
+        dtype=flags.dtype,
+        quantize=flags.quantize,
         price=price,
         options=options,
     )
@@ -497,20 +443,16 @@ def info(path: str | None = None):
     print("end of generation: " + ", ".join(f"{i} {tok.id_to_token(i)!r}" for i in sorted(eos)))
 
 
-def chat(
-    *,
-    model: str | None = None,
-    system_prompt: str | None = None,
-    max_tokens: int = 512,
-    temperature: float = 0.7,
-    top_p: float = 0.95,
-    seed: int | None = None,
-    mesh: str | None = None,
-    chat_template: str | None = None,
-    quantize: str | None = None,
-    dtype: str | None = None,
-    kv_cache_dtype: str | None = None,
-):
+@command(
+    model=Group(ModelFlags, leave_out=("eos_id",)),
+    engine=Group(EngineFlags, leave_out=("max_batch", "max_context", "decode_steps"), defaults={"max_batch": 1}),
+    sampling=Group(
+        SamplingFlags,
+        leave_out=("top_k", "min_p", "stop"),
+        defaults={"max_tokens": 512, "temperature": 0.7, "top_p": 0.95, "seed": None},
+    ),
+)
+def chat(*, model: ModelFlags, sampling: SamplingFlags, engine: EngineFlags):
     """Chat with a model in the terminal, the reply streamed as it is generated. Ctrl-D or /exit to quit.
 
     Args:
@@ -519,11 +461,10 @@ def chat(
       seed: random seed.
     """
     try:
-        options = _engine_options(1, quantize=quantize, kv_cache_dtype=kv_cache_dtype)
-        llm = _load(model, options, mesh=mesh, dtype=dtype, chat_template=chat_template)
+        llm = _load(model, engine.options(model.quantize))
     except LOAD_ERRORS as e:
         _fail(str(e))
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages = [{"role": "system", "content": sampling.system_prompt}] if sampling.system_prompt else []
     while True:
         try:
             user = input("you> ")
@@ -535,9 +476,8 @@ def chat(
         messages.append({"role": "user", "content": user})
         print("model> ", end="", flush=True)
         reply = []
-        for piece in llm.chat(
-            messages, stream=True, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
-        ):
+        params = dict(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p)
+        for piece in llm.chat(messages, stream=True, seed=sampling.seed, **params):
             reply.append(piece)
             print(piece, end="", flush=True)
         print()
@@ -551,49 +491,15 @@ def _fail(message: str):
 
 COMMANDS = {"run": run, "serve": serve, "info": info, "chat": chat, "compile": compile}
 
-# What --help says of a flag that several commands take. A command's docstring (`Args:`) describes its own flags, and
-# one of these only where it means something else there (compile's --model also takes a known shape).
-FLAG_HELP = {
-    "model": "a checkpoint: converted, or a GGUF file, Hugging Face or Meta folder (converted once into the cache); "
-    "default: SmolLM2-135M-Instruct.",
-    "mesh": "device mesh, e.g. data=2,model=4 (default: chosen from the devices and the model).",
-    "temperature": "sampling temperature; 0 is greedy.",
-    "top_p": "nucleus sampling mass.",
-    "eos_id": "an extra end-of-generation token id (repeatable).",
-    "chat_template": "a built-in template (llama2, llama3, chatml, raw) or a .jinja file.",
-    "max_batch": "decode slots: requests generated at once.",
-    "max_context": "context limit (prompt + completion), at most the model's.",
-    "decode_steps": "decode steps per host round trip.",
-    "quantize": "q8_0, w8a8 or q4_0 to quantize float weights at load (one CPU device): int8 weights (llama.cpp's "
-    "Q8_0) multiplied by inputs in int16 (q8_0) or int8 (w8a8, as llama.cpp; fastest where the CPU has AVX-512 VNNI), "
-    "or 4-bit ones (Q4_0) by int8 inputs. Weights stored as Q8_0 or Q4_0 blocks are read as stored on a CPU, and "
-    "as int8 weights made at load on a TPU or GPU. int8: on an accelerator (or a CPU mesh), int8 weights with a scale "
-    "per output channel (blocks requantized).",
-    "dtype": "float32, bfloat16 or float16 to convert every weight to it while loading (blocks dequantized); default: "
-    "the weights as the checkpoint stores them.",
-    "kv_cache_dtype": "float16 or bfloat16 keeps the KV cache in 16 bits, int8 (accelerators, a CPU mesh) in 8 with "
-    "a scale per vector, float32 exactly; auto (default): float16 on a CPU's kernels for float32 "
-    "weights, else the weights' dtype.",
-}
+# What --help says of a flag of a group (`cli_flags.py`) where a command's docstring (`Args:`) does not: that says
+# it only where the flag means something else there (compile's --model also takes a known shape).
+FLAG_HELP = cli_flags.shared("help")
 
 # How --help and the README write the value of an argument without a default (one with a default shows it).
-METAVARS = {
+METAVARS = cli_flags.shared("metavar") | {
     "job": "JOB.jsonl",
     "path": "CKPT",
-    "model": "CKPT",
     "output": "OUT.jsonl",
-    "mesh": "data=2,model=4",
-    "seed": "S",
-    "stop": "STR",
-    "eos_id": "ID",
-    "system_prompt": "TEXT",
-    "chat_template": "NAME|FILE",
-    "max_context": "N",
-    "decode_steps": "N",
-    "max_tokens": "N",
-    "quantize": "int8|w8a8|q8_0|q4_0",
-    "dtype": "float32|bfloat16",
-    "kv_cache_dtype": "float16",
     "stats_file": "stats.json",
     "coordinator": "HOST:PORT",
     "num_processes": "N",
@@ -607,6 +513,7 @@ METAVARS = {
     "hlo_dir": "DIR",
     "price": "USD",
     "assume_output": "N",
+    "max_tokens": "N",
 }
 
 

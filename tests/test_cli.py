@@ -29,7 +29,7 @@ def test_a_mistyped_flag_is_refused_before_the_model_loads(tiny_chat_checkpoint,
     job.write_text(json.dumps({"id": "x", "prompt": "the cat", "max_tokens": 4}) + "\n")
     proc = jaxllama_here("run", job, "--model", tiny_chat_checkpoint, "--max-token", "8", "--temprature", "0")
     assert proc.returncode == 2 and "error: unknown flag --max-token" in proc.stderr
-    assert "usage: jaxllama run JOB.jsonl [--model CKPT]" in proc.stderr
+    assert "usage: jaxllama run JOB.jsonl [--output OUT.jsonl] [--model CKPT]" in proc.stderr
     assert not (tmp_path / "job.out.jsonl").exists()  # nothing ran
     # serve would listen on its default port without a word about --prot: here it would fail the test as it loads
     monkeypatch.setattr("jaxllama.cli._load", lambda *args, **kwargs: pytest.fail("serve loads the model"))
