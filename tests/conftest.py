@@ -18,9 +18,63 @@ _CACHE = Path(os.environ.setdefault("JAXLLAMA_TEST_CACHE", tempfile.mkdtemp(pref
 
 
 def pytest_configure(config):
+    import jax.monitoring
+
     from jaxllama.engine.runtime import enable_compilation_cache
 
     enable_compilation_cache(_CACHE)
+    jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+# The `quick` tier (`pytest -m quick`, under a minute): the tests of these files and folders that are not `slow`. They
+# compile nothing: one that compiles a program (a jax computation, even one eager operation) fails, so that the tier
+# stays quick as tests change.
+QUICK = (
+    "tests/text/",
+    "tests/test_protocol.py",
+    "tests/test_cli.py",
+    "tests/test_benchmarks.py",
+    "tests/batch/test_jobs.py",
+    "tests/batch/test_resume.py",
+    "tests/batch/test_model_cache.py",
+    "tests/batch/test_default_model.py",
+    "tests/converters/test_converter_errors.py",
+    "tests/core/test_checkpoint_errors.py",
+    "tests/core/test_checkpoint_format.py",
+    "tests/core/test_kv_groups.py",
+    "tests/core/test_make_mesh.py",
+    "tests/core/test_mesh_restore.py",
+    "tests/core/test_source_keys.py",
+    "tests/engine/test_kvcache.py",
+    "tests/engine/test_paged_kv.py",
+    "tests/engine/test_scheduler.py",
+)
+_COMPILES = [0]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(QUICK) and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.quick)
+
+
+def _count_compile(event: str, duration: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    item.compiles_before = _COMPILES[0]  # its fixtures' compilations count too
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    outcome = yield
+    compiled = _COMPILES[0] - getattr(item, "compiles_before", _COMPILES[0])
+    if compiled and item.get_closest_marker("quick") and outcome.excinfo is None:
+        pytest.fail(f"marked quick, but compiled {compiled} program(s): move it out of the quick tier")
 
 
 def smollm2_gguf() -> Path | None:
