@@ -112,9 +112,6 @@ class LLM:
         grammars = GrammarCompiler(tokenizer, config.vocab_size, self.eos_ids)
         self.prompts = PromptEncoder(tokenizer, template, grammars, config.vocab_size)  # what request pipelines use
         self._next_id = 0
-        # The events of each call still running (a stream not yet read to its end, say), by request id: whichever
-        # call steps the engine hands every event to the call that owns it.
-        self._inboxes: dict[object, collections.deque] = {}
         # Turns at the engine, one thread at a time (the engine donates its cache to each step: two threads stepping
         # at once would read a freed array), first come first served (tickets: a thread that steps again at once must
         # not keep the others from submitting), a turn a step: between steps a thread takes the events another's
@@ -457,8 +454,8 @@ class LLM:
             try:
                 for request in requests:
                     rid = self._new_id()
-                    self.text_engine.submit(rid, request)
-                    self._inboxes[rid] = inbox
+                    # whichever call steps the engine, each event lands in the inbox of the call that owns it
+                    self.text_engine.submit(rid, request, on_event=inbox.append)
                     request_ids.append(rid)
             except BaseException:  # one refused: the call fails, and the ones before it must not run on unread
                 self._drop(request_ids)
@@ -479,14 +476,13 @@ class LLM:
                 event = inbox.popleft()
                 if event.last:
                     open_ids.discard(event.id)
-                    self._inboxes.pop(event.id, None)
                 yield event
         finally:
             if open_ids:
                 self._drop(open_ids)
 
     def _step_for(self, inbox: collections.deque, open_ids: set) -> None:
-        """Step the engine once for a call waiting for its events in `inbox`, handing each event to its call; or,
+        """Step the engine once for a call waiting for its events in `inbox` (each event goes to its call's); or,
         while another thread uses the engine, wait for it to finish (its step may bring this call's events)."""
         with self._turn:
             if self._serving != self._next_ticket:  # a thread's turn, or some waiting: this call's events may come
@@ -497,16 +493,12 @@ class LLM:
                 return
             if not self.text_engine.has_work():  # never, unless a request was dropped without its events
                 raise RuntimeError(f"the engine has no work left for requests {sorted(open_ids)}")
-            for event in self.text_engine.step():
-                owner = self._inboxes.get(event.id)
-                if owner is not None:
-                    owner.append(event)
+            self.text_engine.step()  # each event to its call's inbox
 
     def _drop(self, request_ids) -> None:
         """Cancel the requests of a call that will not read their events any more."""
         with self._engine_turn():
             for rid in request_ids:
-                self._inboxes.pop(rid, None)
                 if self.text_engine.running(rid):
                     self.text_engine.cancel(rid)
 

@@ -2,14 +2,15 @@
 
 `TextEngine` wraps an `Engine` for the user-facing layers (the `LLM` API, the batch runner, the server):
 requests go in as token ids with sampling parameters and stop strings; text deltas and finished
-`Result`s come out. A stop string ends the request in the engine at once (`Engine.finish` with the string as its
-reason), freeing its slot.
+`Result`s come out, each request's to the `on_event` it was submitted with (and every step's as its return value).
+A stop string ends the request in the engine at once (`Engine.finish` with the string as its reason), freeing its
+slot.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from jaxllama.engine.request import Request, SamplingParams, Timings, TopLogprobs
@@ -112,9 +113,11 @@ class TextEngine:
         self.engine, self.tokenizer = engine, tokenizer
         self.pending: dict[object, _Pending] = {}  # by the engine's id: the request's, or a _Choice's
         self._choices: dict[object, list] = {}  # request id -> the engine ids of its choices not finished
+        self._listeners: dict[object, Callable[[Event], None]] = {}  # request id -> where its events go
 
-    def submit(self, id, request: TextRequest) -> None:
-        """Queue a request under `id`; raises ValueError (naming the problem) if it can never run."""
+    def submit(self, id, request: TextRequest, on_event: Callable[[Event], None] | None = None) -> None:
+        """Queue a request under `id`, its events handed to `on_event` as the steps give them (in order; the last
+        has `last` set); raises ValueError (naming the problem) if it can never run."""
         params, n, grammar = request.params, request.n, request.grammar
         if id in self._choices:
             raise ValueError(f"request id {id!r} is already running")
@@ -140,6 +143,8 @@ class TextEngine:
             text = _ChoiceText(self.tokenizer, request.stop, request.include_stop)
             self.pending[choice.id] = _Pending(text, len(request.prompt), request.logprobs, params, False, id, i)
         self._choices[id] = [choice.id for choice in choices]
+        if on_event is not None:
+            self._listeners[id] = on_event
 
     def running(self, id) -> bool:
         """Whether request `id` has a choice that has not finished."""
@@ -163,12 +168,22 @@ class TextEngine:
         if left:
             return False
         self._choices.pop(id, None)
+        self._listeners.pop(id, None)
         return True
 
     def has_work(self) -> bool:
         return self.engine.has_work()
 
     def step(self) -> list[Event]:
+        """One step of the engine -> its events, each also handed to its request's `on_event`."""
+        listeners = dict(self._listeners)  # a request's last event removes its listener
+        events = self._events()
+        for event in events:
+            if (on_event := listeners.get(event.id)) is not None:
+                on_event(event)
+        return events
+
+    def _events(self) -> list[Event]:
         events = []
         for u in self.engine.step():
             p = self.pending.get(u.id)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import functools
 import itertools
 import sys
 import time
@@ -142,7 +143,7 @@ def run_job(llm, job: Path, output: Path | None = None, options: JobOptions = Jo
         ended = False
         while True:
             if not ended:  # the engine's queue topped up: what it chooses among (longest first) is this many lines
-                room = QUEUED_LINES - len(batch.running)
+                room = QUEUED_LINES - batch.running
                 taken = 0
                 for line in itertools.islice(lines, max(0, room)):
                     batch.submit(line)
@@ -266,8 +267,7 @@ class JobOnEngine:
 
     def __init__(self, llm, pipeline: RequestPipeline, deliver: Callable[[Answered], None]):
         self.llm, self.pipeline, self.deliver = llm, pipeline, deliver
-        # by line number, the engine's request id: the line, its request, its choices' results as they finish
-        self.running: dict[int, tuple[JobLine, PreparedRequest, list]] = {}
+        self.running = 0  # lines submitted and not answered
 
     def submit(self, line: JobLine) -> None:
         """Queue a line on the engine, or deliver its error record if it cannot run."""
@@ -277,11 +277,12 @@ class JobOnEngine:
             # Longest first (by max_tokens): the job then ends with its short requests, rather than with a tail of
             # decode steps that run a few long ones in nearly empty batches. Output stays in file order.
             (one,) = request.text_requests(priority=request.params.max_tokens)
-            self.llm.text_engine.submit(line.number, one)
+            on_event = functools.partial(self._answered, line, request, [None] * request.n)
+            self.llm.text_engine.submit(line.number, one, on_event)
         except Exception as e:  # a line's failure, expected (a RequestError) or not, is its record
             self.fail(line, e)
             return
-        self.running[line.number] = (line, request, [None] * request.n)
+        self.running += 1
 
     def fail(self, line: JobLine, error: Exception) -> None:
         self.deliver(Answered(line.number, records.failure(line, error), ok=False))
@@ -295,15 +296,16 @@ class JobOnEngine:
         return self.llm.text_engine.has_work()
 
     def step(self) -> None:
-        """One step of the engine; the lines it finishes are delivered."""
-        for event in self.llm.text_engine.step():
-            if event.result is None:
-                continue
-            line, request, results = self.running[event.id]
+        """One step of the engine; the lines it finishes are delivered (`_answered`)."""
+        self.llm.text_engine.step()
+
+    def _answered(self, line: JobLine, request: PreparedRequest, results: list, event) -> None:
+        """A line's event: its choices' results gathered, the line answered at its last."""
+        if event.result is not None:
             results[event.index] = event.result
-            if event.last:
-                del self.running[event.id]
-                self._finish(line, request, results)
+        if event.last:
+            self.running -= 1
+            self._finish(line, request, results)
 
     def _finish(self, line: JobLine, request: PreparedRequest, results: list) -> None:
         error = next((r.error for r in results if r.error is not None), None)

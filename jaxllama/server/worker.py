@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import queue
 import threading
@@ -173,10 +174,7 @@ class EngineWorker:
                     break
                 if self._paused or not self.text_engine.has_work():
                     continue
-                events = self.text_engine.step()
-                now = time.perf_counter()
-                for event in events:
-                    self._dispatch(event, now)
+                self.text_engine.step()  # each event to its request's `_dispatch`
         except BaseException as e:  # noqa: BLE001 - reported to every waiting request and by /health
             self.error = e
             raise
@@ -205,13 +203,14 @@ class EngineWorker:
                 return True
 
     def _admit(self, s: _Submit) -> None:
+        tracked = _Tracked(s.deliver, s.submitted, s.request.n)
         try:
-            self.text_engine.submit(s.id, s.request)
+            self.text_engine.submit(s.id, s.request, on_event=functools.partial(self._dispatch, s.id, tracked))
         except ValueError as e:
             self._release(s.request.n)
             _safe(s.deliver, e)
             return
-        self._tracked[s.id] = _Tracked(s.deliver, s.submitted, s.request.n)
+        self._tracked[s.id] = tracked
         if self.metrics:
             self.metrics.prompt_tokens.inc(len(s.request.prompt))
 
@@ -227,10 +226,9 @@ class EngineWorker:
             if self.metrics:
                 self.metrics.finished.labels("cancelled").inc()
 
-    def _dispatch(self, event: Event, now: float) -> None:
-        tracked = self._tracked.get(event.id)
-        if tracked is None:
-            return
+    def _dispatch(self, rid: int, tracked: _Tracked, event: Event) -> None:
+        """Request `rid`'s event: counted, and handed to its client (unless it is gone)."""
+        now = time.perf_counter()
         if self.metrics and event.token_ids:
             if tracked.last_token is None:
                 self.metrics.ttft.observe(now - tracked.submitted)
@@ -243,7 +241,7 @@ class EngineWorker:
         if event.result is not None and self.metrics:
             self.metrics.completion_tokens.inc(len(event.result.token_ids))
         if event.last:
-            del self._tracked[event.id]
+            del self._tracked[rid]
             self._release(tracked.samples)
             if self.metrics:
                 self.metrics.finished.labels(event.result.finish_reason).inc()

@@ -185,7 +185,7 @@ class Engineless:
         self.text_engine = self
         self.submitted = []
 
-    def submit(self, rid, request):
+    def submit(self, rid, request, on_event=None):
         if request.prompt == Characters().encode("boom"):
             raise RuntimeError("a fault of jaxllama's")
         self.submitted.append(rid)
