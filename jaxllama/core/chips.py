@@ -43,6 +43,57 @@ CHIPS: dict[str, Chip] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """What XLA's GPU compiler needs to know of a GPU it compiles for without one (a `GpuTargetConfigProto`'s device
+    description), as NVIDIA's specifications state it; its `device_kind` names its `Chip`."""
+
+    device_kind: str
+    compute_capability: tuple[int, int]
+    cores: int  # streaming multiprocessors
+    shared_memory_per_core: int
+    shared_memory_per_block_optin: int
+    l2_cache: int
+    clock_ghz: float
+
+    def target_config(self) -> str:
+        """The text form of XLA's `GpuTargetConfigProto` for this GPU."""
+        chip = CHIPS[self.device_kind]
+        major, minor = self.compute_capability
+        info = {
+            "threads_per_block_limit": 1024,
+            "threads_per_warp": 32,
+            "shared_memory_per_block": 48 * 1024,
+            "shared_memory_per_core": self.shared_memory_per_core,
+            "threads_per_core_limit": 2048,
+            "core_count": self.cores,
+            "fpus_per_core": 128 if major >= 9 else 64,
+            "block_dim_limit_x": 2**31 - 1,
+            "block_dim_limit_y": 65535,
+            "block_dim_limit_z": 65535,
+            "memory_bandwidth": int(chip.hbm_bandwidth),
+            "l2_cache_size": self.l2_cache,
+            "clock_rate_ghz": self.clock_ghz,
+            "device_memory_size": chip.hbm_bytes,
+            "shared_memory_per_block_optin": self.shared_memory_per_block_optin,
+            "registers_per_core_limit": 65536,
+            "registers_per_block_limit": 65536,
+        }
+        fields = "\n".join(f"  {k}: {v}" for k, v in info.items())
+        capability = f"  cuda_compute_capability {{ major: {major} minor: {minor} }}"
+        return f'gpu_device_info {{\n{fields}\n{capability}\n}}\nplatform_name: "CUDA"\n' + (
+            f'device_description_str: "{self.device_kind}"\n'
+        )
+
+
+# GPUs `jaxllama compile --topology NAME:N` compiles for on a host without one (jax's CUDA plugin).
+GPUS: dict[str, Gpu] = {
+    "a100": Gpu("NVIDIA A100-SXM4-80GB", (8, 0), 108, 164 * 1024, 163 * 1024, 40 * 2**20, 1.41),
+    "h100": Gpu("NVIDIA H100 80GB HBM3", (9, 0), 132, 228 * 1024, 227 * 1024, 50 * 2**20, 1.98),
+    "h200": Gpu("NVIDIA H200", (9, 0), 132, 228 * 1024, 227 * 1024, 50 * 2**20, 1.98),
+}
+
+
 def chip_of(device) -> Chip | None:
     """The table's entry for a device, or None for a kind it does not list (a CPU, say)."""
     return CHIPS.get(device.device_kind)
@@ -63,15 +114,23 @@ def memory_of(device) -> int | None:
     return chip.hbm_bytes if chip else None
 
 
+GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin")
+
+
 def skip_absent_tpu() -> None:
-    """Keep jax from starting its TPU backend on a machine with no TPU. With libtpu installed (to compile for TPU
-    slices: `jaxllama compile`), jax's first device query otherwise starts it anyway, and libtpu prints a page of
-    warnings before it fails. Nothing changes where JAX_PLATFORMS (or jax's config) names the platforms, where the
-    machine has TPU chips (/dev/accel*, /dev/vfio), or where a GPU plugin is installed."""
+    """Keep jax from starting an accelerator's backend on a machine without one. With libtpu installed (to compile
+    for TPU slices: `jaxllama compile`), jax's first device query otherwise starts it anyway, and libtpu prints a page
+    of warnings before it fails; with a GPU plugin installed (to compile for GPUs), the plugin fails its CUDA checks
+    with a traceback and is not registered, so that no GPU target could be described either. Nothing changes where
+    JAX_PLATFORMS (or jax's config) names the platforms, or where the machine has TPU chips (/dev/accel*, /dev/vfio)
+    or GPUs (/dev/nvidia*, /dev/kfd)."""
     if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
         return
-    if importlib.util.find_spec("libtpu") is None or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+    tpu = importlib.util.find_spec("libtpu") is not None
+    gpu = any(importlib.util.find_spec(p) for p in GPU_PLUGINS)
+    if not (tpu or gpu):
         return
-    if any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin")):
+    devices = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
+    if any(glob.glob(pattern) for pattern in devices):
         return
     jax.config.update("jax_platforms", "cpu")

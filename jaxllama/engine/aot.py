@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxllama.core.chips import Chip, chip_of
+from jaxllama.core.chips import GPUS, Chip, chip_of
 from jaxllama.core.config import BLOCK_FORMATS, ModelConfig
 from jaxllama.core.params import (
     abstract_stored,
@@ -141,7 +142,7 @@ class EngineReport:
             "cost_model_s": seconds.get("cost_model"),
             "estimate_s": seconds.get("estimate"),
             "ideal_s": d.ideal_s,
-            "flops": d.flops,
+            "flops": _known(d.flops),
             "tok_s_per_sequence": {k: 1 / s for k, s in seconds.items()},
             "tok_s_total": {k: self.slots / s for k, s in seconds.items()},
             "collectives": d.collectives,
@@ -150,7 +151,7 @@ class EngineReport:
             {
                 "name": p.name,
                 "tokens": p.tokens,
-                "flops": p.flops,
+                "flops": _known(p.flops),
                 "hbm_bytes": p.hbm_bytes,
                 "collectives": p.collectives,
                 "kernel_s": p.kernel_s,
@@ -223,7 +224,7 @@ class EngineReport:
             cycles = f"{p.cycles / clock * 1e3:.3f}" if p.cycles and clock else "?"
             lines.append(
                 f"{p.kind:<16}{p.phase:<14}{p.calls:>5}{p.argument_bytes / gib:>10.3f}{p.temp_bytes / gib:>10.3f}"
-                f"{p.flops / 1e9:>10.1f}{hbm:>10}{cycles:>11}{p.compile_s:>11.1f}  {_collectives(p.collectives)}"
+                f"{_gflop(p.flops):>10}{hbm:>10}{cycles:>11}{p.compile_s:>11.1f}  {_collectives(p.collectives)}"
             )
         lines += ["", "per device, per run  " + f"{'HBM GiB':>9}{'GFLOP':>9}   time by estimate (x ideal): tok/s"]
         for phase in [self.decode, *self.prefills]:
@@ -233,7 +234,7 @@ class EngineReport:
             for name, s in seconds.items():
                 rate = phase.tokens / s
                 parts.append(f"{name} {s * 1e3:.2f} ms ({s / phase.ideal_s:.1f}x): {rate:,.0f}")
-            lines.append(f"{phase.name:<21}{hbm:>9}{phase.flops / 1e9:>9.1f}   " + "; ".join(parts))
+            lines.append(f"{phase.name:<21}{hbm:>9}{_gflop(phase.flops):>9}   " + "; ".join(parts))
             if phase is self.decode:
                 per_sequence = ", ".join(f"{name} {1 / s:,.1f}" for name, s in seconds.items())
                 lines.append(f"{'':<21}tok/s per sequence: {per_sequence}")
@@ -241,16 +242,28 @@ class EngineReport:
         return "\n".join(lines)
 
 
+def _gflop(flops: float) -> str:
+    return "?" if math.isnan(flops) else f"{flops / 1e9:.1f}"
+
+
+def _known(x: float) -> float | None:
+    """x, or None for NaN (JSON has none)."""
+    return None if math.isnan(x) else x
+
+
 def _collectives(c: dict) -> str:
     return ", ".join(f"{k} {v['count']}x {v['bytes'] / 2**20:.1f}MiB" for k, v in sorted(c.items()))
 
 
 def target_devices(topology: str | None):
-    """The devices of a TPU topology ("v5e:2x4", compiled for on this host; needs libtpu), or the local devices."""
+    """The devices of a TPU topology ("v5e:2x4", compiled for on this host; needs libtpu), of GPUs ("h100:8": 8 on
+    one host, "h100:2x8": 2 hosts of 8; needs jax's CUDA plugin), or the local devices."""
     import jax
 
     if topology is None:
         return jax.devices(), jax.devices()[0].device_kind
+    if topology.partition(":")[0].lower() in GPUS:
+        return _gpu_devices(topology), topology
     try:
         from jax.experimental import topologies
 
@@ -263,6 +276,26 @@ def target_devices(topology: str | None):
             "topology needs libtpu (pip install -e '.[tpu]')"
         ) from None
     return devices, topology
+
+
+def _gpu_devices(topology: str):
+    """The devices of GPUs described by name and count (`chips.GPUS`): XLA's GPU compiler told what they are by a
+    target config, through jax's CUDA plugin, on a host without them."""
+    from jax.experimental import topologies
+
+    name, _, count = topology.partition(":")
+    hosts, _, per_host = count.rpartition("x")
+    if not per_host.isdigit() or not (hosts or "1").isdigit() or int(per_host) < 1 or int(hosts or 1) < 1:
+        raise ValueError(f"topology {topology!r}: expected NAME:GPUS or NAME:HOSTSxGPUS, e.g. h100:8 or h100:2x8")
+    shape = f"1x{int(hosts or 1)}x{int(per_host)}"  # slices x hosts x GPUs a host
+    try:
+        target = dict(target_config=GPUS[name.lower()].target_config(), topology=shape)
+        return topologies.get_topology_desc(platform="cuda", topology_name="", **target).devices
+    except Exception as e:
+        raise ValueError(
+            f"topology {topology!r}: {e}. Compiling for GPUs without them needs jax's CUDA plugin "
+            "(pip install -e '.[gpu]'); GPUs known: " + ", ".join(GPUS)
+        ) from None
 
 
 def quantized(config: ModelConfig, form: str) -> ModelConfig:
@@ -441,7 +474,7 @@ def program_report(compiled: Compiled, phase: str, calls: int) -> ProgramReport:
         alias_bytes=m.alias_size_in_bytes,
         temp_bytes=m.temp_size_in_bytes,
         code_bytes=m.generated_code_size_in_bytes,
-        flops=float(cost.get("flops", 0.0)),
+        flops=float(cost.get("flops", math.nan)),  # NaN: no cost analysis (a GPU compiled for without one)
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         cost_model_s=float(cost.get("optimal_seconds", -1.0)),
         hbm_bytes=traffic.hbm_bytes if traffic else None,

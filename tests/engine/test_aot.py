@@ -32,6 +32,12 @@ needs_libtpu = pytest.mark.skipif(
 )
 
 
+needs_cuda_plugin = pytest.mark.skipif(
+    importlib.util.find_spec("jax_cuda12_plugin") is None,
+    reason="compiling for GPUs needs jax's CUDA plugin: pip install -e '.[gpu]' (the test extra installs it on Linux)",
+)
+
+
 @pytest.fixture(autouse=True)
 def jaxllama_logger_kept():
     """The command, run in this process, sends jaxllama's log to stderr alone: the logger is put back after."""
@@ -175,3 +181,21 @@ def test_a_tpu_decode_step_reads_the_cache_in_place(v5e_2x2):
     layers = next(p for p in report.programs if p.kind == "decode_layers")
     cache_layer = report.footprint.cache // config.n_layers
     assert not [h for h in layers.heaviest if h["opcode"] == "copy" and h["hbm_bytes"] >= cache_layer // 2]
+
+
+@pytest.mark.slow
+@needs_cuda_plugin
+def test_the_engine_compiles_for_gpus_on_a_host_without_one(capsys):
+    """`--topology h100:2x8`: XLA's GPU compiler, told what an H100 is by a target config, compiles every program for
+    16 GPUs on 2 hosts (the decode step's attention by jax's Triton paged-attention kernel), with the memory per GPU
+    and the collectives; the GPU compiler gives no flops or cycles without a GPU ("?", null in JSON)."""
+    main(["compile", "--topology", "h100:2x8", "--model", "llama-3.1-8b", "--max-batch", "16", "--max-context", "1024"])
+    out = capsys.readouterr().out
+    assert "target: h100:2x8 (16 x H100 SXM)" in out and "decode attention: Pallas kernel" in out
+    assert "of 80.0 GiB (fits)" in out
+    main(["compile", "--topology", "h100:2x8", "--model", "llama-3.1-8b", "--max-batch", "16", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    step = report["decode_step"]
+    assert step["flops"] is None and step["hbm_bytes"] > 0 and "all-reduce" in step["collectives"]
+    with pytest.raises(ValueError, match="h100:8 or h100:2x8"):
+        aot.target_devices("h100:eight")
