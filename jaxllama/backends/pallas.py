@@ -41,6 +41,10 @@ FLASH_MIN_TOKENS = 1024
 # step's fewer in one tile of their own.
 GROUPED_ROWS_TILE = 512
 GPU_SPLITS = 16  # the GPU kernel splits each row's pages into this many parts, run in parallel, then joined
+# Pages the GPU kernel reads at a time: it holds a block's keys and values in shared memory, and 8 pages of 64
+# positions of 128 bfloat16 numbers, keys and values, are 256 KiB, past the 227 KiB a block may have on an H100
+# (`jaxllama compile --topology h100:8` refuses 8B at 8,192 positions so); 4 pages, 128 KiB.
+GPU_MAX_PAGES_PER_BLOCK = 4
 # No collective matmuls: the compiler splits a product whose input it all-gathers, or whose output it
 # reduce-scatters, into a loop of pieces that overlap the transfers, which costs more cycles than it hides on these
 # shapes (`jaxllama compile`, prefill 8 x 512: 8B bf16 on v5e:2x4 and 70B int8 on v5e:4x4; axlearn turns them off on
@@ -201,7 +205,7 @@ class GpuOps(PallasOps):
 
         (k, k_scales), (v, v_scales) = _split(pool_k), _split(pool_v)
         splits = math.gcd(pages.shape[1], GPU_SPLITS)
-        block = math.gcd(pages.shape[1] // splits, MAX_PAGES_PER_BLOCK)
+        block = math.gcd(pages.shape[1] // splits, GPU_MAX_PAGES_PER_BLOCK)
         return paged_attention(
             q,
             k,

@@ -68,6 +68,7 @@ class ProgramReport:
     heaviest: list  # the instructions that move the most HBM bytes (`hlo.Module.heaviest`)
     kernel_bytes: int = 0  # of hbm_bytes, its Pallas kernels' operands and results (`hlo.Traffic.kernel_bytes`)
     uncosted_flops: int = 0  # of the products the compiler gives no cycles (`hlo.Traffic.uncosted_flops`)
+    product_flops: int = 0  # of every product, read from the HLO (`hlo.Traffic.product_flops`)
     hlo_text: str | None = dataclasses.field(default=None, repr=False)  # the optimized HLO (not in `to_json`)
 
 
@@ -483,6 +484,7 @@ def program_report(compiled: Compiled, phase: str, calls: int) -> ProgramReport:
         heaviest=heaviest,
         kernel_bytes=traffic.kernel_bytes if traffic else 0,
         uncosted_flops=traffic.uncosted_flops if traffic else 0,
+        product_flops=traffic.product_flops if traffic else 0,
         hlo_text=compiled.hlo_text,
     )
 

@@ -90,12 +90,14 @@ class Traffic:
     collectives: dict = dataclasses.field(default_factory=dict)
     kernel_bytes: int = 0
     uncosted_flops: int = 0
+    product_flops: int = 0  # of every product (`dot`, fused or not): what a program without cycles is charged
 
     def add(self, other: Traffic, times: int = 1) -> None:
         self.hbm_bytes += other.hbm_bytes * times
         self.cycles += other.cycles * times
         self.kernel_bytes += other.kernel_bytes * times
         self.uncosted_flops += other.uncosted_flops * times
+        self.product_flops += other.product_flops * times
         for kind, c in other.collectives.items():
             mine = self.collectives.setdefault(kind, {"count": 0, "bytes": 0})
             mine["count"] += c["count"] * times
@@ -229,6 +231,7 @@ class Module:
             read = sum(self._hbm(name) for name in inst.operands)
             written = sum(a.hbm_bytes for a in inst.arrays)
         out = Traffic(read + written, cycles)
+        out.product_flops = self._dot_flops(inst)
         if cycles == _NO_ESTIMATE:
             out.cycles, out.uncosted_flops = 0, self._product_flops(inst)
         if op == "custom-call" and _KERNEL.search(inst.attributes):
@@ -248,6 +251,18 @@ class Module:
             return 0
         weights, result = max(operands, key=lambda a: math.prod(a.shape)), inst.arrays[0].shape
         return 2 * math.prod(result) * math.prod(weights.shape) // result[-1]
+
+    def _dot_flops(self, inst: Instruction) -> int:
+        """The flops of the products `inst` runs: a `dot` (2 x its result's elements x its contracted size), or those
+        of the computation a fusion calls."""
+        if inst.opcode == "fusion":
+            return sum(self._dot_flops(i) for name in inst.called("calls") for i in self.computations.get(name, []))
+        if inst.opcode != "dot" or not inst.arrays or not inst.operands or inst.operands[0] not in self.by_name:
+            return 0
+        lhs = self.by_name[inst.operands[0]].arrays[0].shape
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attributes)
+        contracted = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m else 1
+        return 2 * math.prod(inst.arrays[0].shape) * contracted
 
     def _grouped_flops(self, inst: Instruction) -> int:
         """The flops of the megablox kernel's product of rows [m, k] into [m, n], each row against its own group's

@@ -260,7 +260,8 @@ def _quantile(values: list[float], q: float) -> float:
 def estimated_cost(chip) -> Callable[[Compiled, float], float]:
     """A program's seconds on `chip` by the compiler's estimates (`aot.py`), the call reading the share `read` of
     its Pallas kernels' operands: the longer of its other HBM traffic over the chip's bandwidth and its cycle
-    estimate over the chip's clock (the cost model's where the HLO cannot be read), then its kernels' bytes read at
+    estimate over the chip's clock (where the compiler gives no cycles, a GPU's: its products' flops, read from the
+    HLO, at the chip's peak; the cost model's where the HLO cannot be read), then its kernels' bytes read at
     KERNEL_BANDWIDTH_SHARE of the bandwidth, and its collectives: their bytes over the chip's ICI bandwidth and
     COLLECTIVE_LATENCY_S each."""
     known: dict[int, aot.ProgramReport] = {}
@@ -275,6 +276,8 @@ def estimated_cost(chip) -> Callable[[Compiled, float], float]:
             kernel = report.kernel_bytes * read / (KERNEL_BANDWIDTH_SHARE * chip.hbm_bandwidth)
         if report.cycles:
             estimates.append(report.cycles / chip.clock_hz + report.uncosted_flops / chip.bf16_flops)
+        elif report.product_flops:  # no cycles (a GPU compiled for without one): its products at the chip's peak
+            estimates.append(report.product_flops / chip.bf16_flops)
         seconds = (max(estimates) if estimates else max(report.cost_model_s, 0.0)) + kernel
         ici = ICI_BANDWIDTH.get(chip.name)
         for collective in report.collectives.values():

@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -185,10 +186,11 @@ def test_a_tpu_decode_step_reads_the_cache_in_place(v5e_2x2):
 
 @pytest.mark.slow
 @needs_cuda_plugin
-def test_the_engine_compiles_for_gpus_on_a_host_without_one(capsys):
+def test_the_engine_compiles_for_gpus_on_a_host_without_one(capsys, tmp_path):
     """`--topology h100:2x8`: XLA's GPU compiler, told what an H100 is by a target config, compiles every program for
     16 GPUs on 2 hosts (the decode step's attention by jax's Triton paged-attention kernel), with the memory per GPU
-    and the collectives; the GPU compiler gives no flops or cycles without a GPU ("?", null in JSON)."""
+    and the collectives; the GPU compiler gives no flops or cycles without a GPU ("?", null in JSON), so a job's clock
+    charges each program its products' flops (read from the HLO) at the GPU's peak where they outlast its bytes."""
     main(["compile", "--topology", "h100:2x8", "--model", "llama-3.1-8b", "--max-batch", "16", "--max-context", "1024"])
     out = capsys.readouterr().out
     assert "target: h100:2x8 (16 x H100 SXM)" in out and "decode attention: Pallas kernel" in out
@@ -199,3 +201,11 @@ def test_the_engine_compiles_for_gpus_on_a_host_without_one(capsys):
     assert step["flops"] is None and step["hbm_bytes"] > 0 and "all-reduce" in step["collectives"]
     with pytest.raises(ValueError, match="h100:8 or h100:2x8"):
         aot.target_devices("h100:eight")
+    job = tmp_path / "job.jsonl"
+    lines = (json.dumps({"prompt": [100 + i] * 4096, "max_tokens": 1}) + "\n" for i in range(16))  # no prefix shared
+    job.write_text("".join(lines))
+    main(["compile", "--topology", "h100:8", "--model", "llama-3.1-8b", "--max-context", "8192", "--job", str(job)])
+    predicted = capsys.readouterr().out
+    wall = float(re.search(r"predicted wall time ([\d.]+) s", predicted).group(1))
+    # 16 x 4,096 prompt tokens of an 8B model on 8 H100s (989 Tflop/s each, bfloat16): at least 0.13 s of products
+    assert wall >= 16 * 4096 * 2 * known_shape("llama-3.1-8b").n_params / (8 * 989e12)
