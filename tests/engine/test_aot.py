@@ -191,11 +191,11 @@ def test_the_engine_compiles_for_gpus_on_a_host_without_one(capsys, tmp_path):
     16 GPUs on 2 hosts (the decode step's attention by jax's Triton paged-attention kernel), with the memory per GPU
     and the collectives; the GPU compiler gives no flops or cycles without a GPU ("?", null in JSON), so a job's clock
     charges each program its products' flops (read from the HLO) at the GPU's peak where they outlast its bytes."""
-    main(["compile", "--topology", "h100:2x8", "--model", "llama-3.1-8b", "--max-batch", "16", "--max-context", "1024"])
+    main(["compile", "--topology", "h100:2x8", "--model", "llama-3.2-1b", "--max-batch", "16", "--max-context", "1024"])
     out = capsys.readouterr().out
     assert "target: h100:2x8 (16 x H100 SXM)" in out and "decode attention: Pallas kernel" in out
     assert "of 80.0 GiB (fits)" in out
-    main(["compile", "--topology", "h100:2x8", "--model", "llama-3.1-8b", "--max-batch", "16", "--json"])
+    main(["compile", "--topology", "h100:2x8", "--model", "llama-3.2-1b", "--max-batch", "16", "--json"])
     report = json.loads(capsys.readouterr().out)
     step = report["decode_step"]
     assert step["flops"] is None and step["hbm_bytes"] > 0 and "all-reduce" in step["collectives"]
@@ -204,8 +204,8 @@ def test_the_engine_compiles_for_gpus_on_a_host_without_one(capsys, tmp_path):
     job = tmp_path / "job.jsonl"
     lines = (json.dumps({"prompt": [100 + i] * 4096, "max_tokens": 1}) + "\n" for i in range(16))  # no prefix shared
     job.write_text("".join(lines))
-    main(["compile", "--topology", "h100:8", "--model", "llama-3.1-8b", "--max-context", "8192", "--job", str(job)])
+    main(["compile", "--topology", "h100:8", "--model", "llama-3.2-1b", "--max-context", "8192", "--job", str(job)])
     predicted = capsys.readouterr().out
     wall = float(re.search(r"predicted wall time ([\d.]+) s", predicted).group(1))
-    # 16 x 4,096 prompt tokens of an 8B model on 8 H100s (989 Tflop/s each, bfloat16): at least 0.13 s of products
-    assert wall >= 16 * 4096 * 2 * known_shape("llama-3.1-8b").n_params / (8 * 989e12)
+    # 16 x 4,096 prompt tokens of a 1B model on 8 H100s (989 Tflop/s each, bfloat16): at least 20 ms of products
+    assert wall >= 16 * 4096 * 2 * known_shape("llama-3.2-1b").n_params / (8 * 989e12)
