@@ -42,13 +42,13 @@ from jaxllama.engine import buckets, kvcache, step
 from jaxllama.engine.interface import PrefillRow, PromptLogprobs, Sampled
 from jaxllama.engine.options import EngineOptions
 from jaxllama.engine.pages import PageTable
+from jaxllama.engine.prefill_batch import MAX_STOP_IDS, PrefillBatch
 from jaxllama.engine.programs import Programs
 from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import agreed_seed
 from jaxllama.engine.sampling import SamplerFlags, SamplingRows
 from jaxllama.engine.stats import EngineStats
 
-MAX_STOP_IDS = 32  # end-of-generation ids a slot can hold: the model's and the request's own
 _ALLOCATOR = ThreadPoolExecutor(1, thread_name_prefix="jaxllama-kv-cache")
 
 
@@ -215,7 +215,7 @@ class ModelRunner:
         every row) and, with `sample`, put each row in its decode slot and sample its first token; without, only
         the caches are filled (a shared prefix) and nothing is returned. `masks`: gives the tokens each row's
         first token may be, [rows, ceil(vocab / 32)] int32 bitmasks; called while the device runs the layers."""
-        batch = _PrefillBatch.of(rows, self, masked=masks is not None)
+        batch = PrefillBatch.of(rows, self, masked=masks is not None)
         inputs = self._put(batch.arrays)
         x = self._packed_layers(inputs, batch.copies) if batch.packed else self._row_layers(rows, inputs, batch)
         prompt = self._prompt_logprobs(x, rows, batch, inputs) if batch.prompt_logprobs else None
@@ -247,7 +247,7 @@ class ModelRunner:
             raise ValueError("a prefill joins a decode step only with packed prompts or a paged cache")
         if not self.packs_prompts:
             return self._mixed_step(rows, columns, params, cancelled, masks, decode_masks)
-        batch = _PrefillBatch.of(rows, self, masked=masks is not None, columns=columns)
+        batch = PrefillBatch.of(rows, self, masked=masks is not None, columns=columns)
         inputs = self._put(batch.arrays)
         x = self._packed_layers(inputs, batch.copies, decoding=True)
         prompt = self._prompt_logprobs(x, rows, batch, inputs) if batch.prompt_logprobs else None
@@ -265,7 +265,7 @@ class ModelRunner:
         """`prefill_and_decode` over a paged cache: the prompt rows (padded to their bucket, [r, t]) and the next token
         of each slot of `columns` as one batch of tokens through the layers (`model.Mixed`: the products read the
         weights once for both), then each part's outputs as its own call gives them."""
-        batch = _PrefillBatch.of(rows, self, masked=masks is not None)
+        batch = PrefillBatch.of(rows, self, masked=masks is not None)
         inputs = self._put(batch.arrays)
         flags = dataclasses.replace(SamplerFlags.of(params), mask=decode_masks is not None)
         keep = self._keep(cancelled)
@@ -288,7 +288,7 @@ class ModelRunner:
             return None
         return started, self._sampled([decoded], flags)
 
-    def _prompt_table(self, rows: Sequence[PrefillRow], batch: _PrefillBatch) -> np.ndarray:
+    def _prompt_table(self, rows: Sequence[PrefillRow], batch: PrefillBatch) -> np.ndarray:
         """Give a prefill's rows their pages (a reused prefix's shared) -> their page tables, as many pages as the
         batch's span: each row's slot's, a chunk's too (it lands in no decode slot, but its keys in its slot's pages);
         a padding row's none."""
@@ -307,7 +307,7 @@ class ModelRunner:
         longest = max((self.pages.positions(c) for c in columns if c < self.slots), default=1)
         return self.pages.table(columns, self.pages.pages_for(buckets.bucket(longest, self.max_context)))
 
-    def _start(self, rows: Sequence[PrefillRow], batch: _PrefillBatch, inputs, x, prompt, masks=None) -> Sampled:
+    def _start(self, rows: Sequence[PrefillRow], batch: PrefillBatch, inputs, x, prompt, masks=None) -> Sampled:
         """Put a prefill's rows in their decode slots, from its last layer's output x, and sample their first tokens
         (`prefill`)."""
         if batch.packed:
@@ -327,7 +327,7 @@ class ModelRunner:
         top_ids, top_logprobs = top if top is not None else (None, None)
         return Sampled(first, logprobs, np.ones_like(first, bool), finish, top_ids, top_logprobs, prompt)
 
-    def _row_layers(self, rows: Sequence[PrefillRow], inputs, batch: _PrefillBatch):
+    def _row_layers(self, rows: Sequence[PrefillRow], inputs, batch: PrefillBatch):
         """A prefill's layers over its rows x prompt bucket: the rows' pages, or copies of their slots' rows."""
         fn = functools.partial(step.prefill_inputs, config=self.config)
         out = (self._tokens(inputs["tokens"].shape), self._activations)
@@ -392,7 +392,7 @@ class ModelRunner:
 
     # ---- programs ---------------------------------------------------------------------------------
 
-    def _prompt_logprobs(self, x, rows: Sequence[PrefillRow], batch: _PrefillBatch, inputs) -> list[PromptLogprobs]:
+    def _prompt_logprobs(self, x, rows: Sequence[PrefillRow], batch: PrefillBatch, inputs) -> list[PromptLogprobs]:
         """Each row's `step.prompt_logprobs`, for its tokens after the first (a packed prefill's:
         `step.packed_prompt_logprobs`, from each row's first token's index in it)."""
         if batch.packed:
@@ -521,106 +521,6 @@ class ModelRunner:
     def seed(self, params: SamplingParams) -> int:
         """The request's seed, or one drawn for it (the same on every process)."""
         return params.seed if params.seed is not None else self._seeds.getrandbits(63)
-
-
-@dataclasses.dataclass
-class _PrefillBatch:
-    """A prefill's host arrays, padded to static shapes: rows to a power of two (a multiple of the data axis), prompt
-    tokens to their length bucket; padding rows compute nothing that lands (their slot is out of range)."""
-
-    arrays: dict
-    flags: SamplerFlags
-    span: int  # cache positions each row reads and writes (the rows' path)
-    fresh: bool  # no row starts from a stored prefix
-    prompt_logprobs: bool  # some row asks for its prompt's log-probabilities
-    packed: bool = False  # the prompts' tokens as one batch over the slots' cache (`ModelRunner._packed_layers`)
-    copies: bool = False  # packed: some row copies a reused prefix from another slot first
-
-    @staticmethod
-    def of(
-        rows: Sequence[PrefillRow], device: ModelRunner, masked: bool = False, columns: Sequence[int] = ()
-    ) -> _PrefillBatch:
-        """`masked`: the first tokens are drawn under bitmasks (then [n, mask_words] of ones until given).
-        `columns`: a packed prefill also runs a decode step of these slots (`ModelRunner.prefill_and_decode`)."""
-        q = buckets.prompt_bucket(max(len(r.tokens) for r in rows), device.max_context)
-        fresh = all(r.start == 0 for r in rows)
-        span = q if fresh else buckets.bucket(max(r.start + q for r in rows), device.max_context)
-        n = buckets.round_up(buckets.pow2(len(rows)), device.mesh.shape["data"])
-        a = dict(
-            starts=np.zeros(n, np.int32),
-            lengths=np.ones(n, np.int32),
-            sources=np.full(n, device.slots, np.int32),
-            slots=np.full(n, device.slots, np.int32),  # padding rows land nowhere
-            stop_ids=np.full((n, MAX_STOP_IDS), -1, np.int32),
-        )
-        params, seeds = [], []
-        if not device.joins_decode and not all(r.final for r in rows):
-            raise ValueError("a prompt is computed in chunks only where a prefill joins a decode step")
-        for i, r in enumerate(rows):
-            a["lengths"][i], a["starts"][i], a["sources"][i] = len(r.tokens), r.start, r.source
-            a["slots"][i] = r.slot if r.final else device.slots  # a chunk's row lands in no decode slot
-            eos = () if r.request.params.ignore_eos else device.eos_ids
-            ids = sorted(set(eos) | set(r.request.params.stop_token_ids))
-            a["stop_ids"][i, : len(ids)] = ids
-            params.append(r.request.params)
-            seeds.append(device.seed(r.request.params))
-        params += [SamplingParams(temperature=0.0)] * (n - len(rows))
-        seeds += [0] * (n - len(rows))
-        a["sampling"] = SamplingRows(**SamplingRows.from_params(params, seeds))
-        a["max_tokens"] = np.array([p.max_tokens for p in params], np.int32)
-        a["limits"] = np.full(n, device.max_context, np.int32)
-        flags = dataclasses.replace(SamplerFlags.of(params), mask=masked)
-        a["mask"] = np.full((n, device.mask_words if masked else 1), -1, np.int32)
-        a["seen"] = np.zeros((n, device.config.vocab_size if flags.penalize else 1), bool)
-        if flags.penalize:
-            for i, r in enumerate(rows):
-                a["seen"][i, r.request.prompt] = True
-        prompt_logprobs = any(r.request.params.prompt_logprobs is not None for r in rows)
-        if device.packs_prompts:
-            copies = _pack(rows, a, device, columns)
-            return _PrefillBatch(a, flags, 0, fresh, prompt_logprobs, packed=True, copies=copies)
-        a["tokens"] = np.zeros((n, q), np.int32)  # the prompts, each padded to the bucket
-        for i, r in enumerate(rows):
-            a["tokens"][i, : len(r.tokens)] = r.tokens
-        return _PrefillBatch(a, flags, span, fresh, prompt_logprobs)
-
-
-def _pack(rows: Sequence[PrefillRow], a: dict, device: ModelRunner, columns: Sequence[int] = ()) -> bool:
-    """Adds to a prefill's arrays `a` its prompts' tokens as one batch, padded to a `buckets.token_bucket`:
-    packed_tokens, packed_positions and packed_slots (padding tokens land nowhere), each row's last token's index
-    (`last`), and the reused prefixes to copy: `copy_lengths` positions from the slot `copy_from` into `copy_to` (one
-    entry per slot, those past the copies out of range: only rows reusing another slot's prefix copy). Returns
-    whether there are any. With decode `columns` (slots, padded with the out-of-range `device.slots`), each one's
-    place after the prompts' tokens (`decode_at`; a padding column's past the batch) and `decode_slots`: the device
-    fills in their tokens and positions (`step.mixed_inputs`)."""
-    n = buckets.token_bucket(sum(len(r.tokens) for r in rows) + len(columns))
-    tokens, positions = np.zeros(n, np.int32), np.zeros(n, np.int32)
-    slots = np.full(n, device.slots, np.int32)
-    a["last"] = np.full(len(a["slots"]), n, np.int32)
-    at = 0
-    for i, r in enumerate(rows):
-        k = len(r.tokens)
-        tokens[at : at + k], positions[at : at + k] = r.tokens, np.arange(r.start, r.start + k)
-        slots[at : at + k] = r.slot
-        at += k
-        a["last"][i] = at - 1
-    if {r.slot for r in rows} & set(columns):  # a slot's stale position would be written beside its new prompt
-        raise ValueError("a prefill's rows and the decode step joined to it share a slot")
-    a["decode_slots"] = np.asarray(columns, np.int32)
-    a["decode_at"] = np.full(len(columns), n, np.int32)
-    for i, column in enumerate(columns):
-        if column < device.slots:
-            a["decode_at"][i], slots[at] = at, column
-            at += 1
-    a.update(packed_tokens=tokens, packed_positions=positions, packed_slots=slots)
-    copies = [r for r in rows if r.start and r.source != r.slot]
-    if {r.slot for r in copies} & {r.source for r in copies}:  # `kvcache.copy_rows` copies one pair after another
-        raise ValueError("a packed prefill copies a prefix out of a slot it also copies one into")
-    none = np.full(device.slots, device.slots, np.int32)  # out of range: no pair
-    a["copy_from"], a["copy_to"], a["copy_lengths"] = none, none.copy(), np.zeros(device.slots, np.int32)
-    for i, r in enumerate(copies):
-        a["copy_from"][i], a["copy_to"][i], a["copy_lengths"][i] = r.source, r.slot, r.start
-    return bool(copies)
 
 
 def _column(x):
