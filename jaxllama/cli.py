@@ -330,15 +330,7 @@ def compile(
     try:
         prefills = [_rows_by_tokens(p) for p in _as_list(prefill) for p in p.split(",") if p] or None
         options = engine.options()
-        report = LLM.compile_for(
-            model.model,
-            topology=topology,
-            mesh=model.mesh,
-            dtype=model.dtype,
-            quantize=model.quantize,
-            prefills=prefills,
-            options=options,
-        )
+        report = LLM.compile_for(model.model, topology=topology, prefills=prefills, options=options, **model.form)
     except LOAD_ERRORS as e:
         _fail(str(e))
     prediction = None
@@ -385,16 +377,7 @@ def _predict_job(job, flags: ModelFlags, topology, options, price, assume_output
     sizes = job_sizes(Path(job), encoder, defaults, assume_output=assume_output)
     for number, why in list(sizes.refused.items())[:5]:
         log.warning("%s line %d refused: %s", job, number, why)
-    p = LLM.predict_job(
-        model,
-        sizes.requests,
-        topology=topology,
-        mesh=flags.mesh,
-        dtype=flags.dtype,
-        quantize=flags.quantize,
-        price=price,
-        options=options,
-    )
+    p = LLM.predict_job(model, sizes.requests, topology=topology, price=price, options=options, **flags.form)
     out = p.to_json() | {"lines": sizes.lines, "refused_lines": len(sizes.refused)}
     return out | {"table": f"{sizes.lines} lines, {len(sizes.refused)} refused by `run`\n" + p.table()}
 

@@ -194,7 +194,8 @@ def test_the_engine_compiles_for_gpus_on_a_host_without_one(capsys, tmp_path):
     main(["compile", "--topology", "h100:2x8", "--model", "llama-3.2-1b", "--max-batch", "16", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert report["target"] == "h100:2x8" and report["devices"] == 16 and report["chip"]["name"] == "H100 SXM"
-    assert report["fits"] and report["device_memory_bytes"] == 80 * GiB and report["decode_attention"] == "Pallas kernel"
+    assert report["fits"] and report["device_memory_bytes"] == 80 * GiB
+    assert report["decode_attention"] == "Pallas kernel"
     step = report["decode_step"]
     assert step["flops"] is None and step["hbm_bytes"] > 0 and "all-reduce" in step["collectives"]
     with pytest.raises(ValueError, match="h100:8 or h100:2x8"):
