@@ -22,7 +22,7 @@ import sys
 import fire
 
 from jaxllama import cli_flags
-from jaxllama.cli_flags import EngineFlags, Group, ModelFlags, SamplingFlags, command
+from jaxllama.cli_flags import EngineFlags, Group, ModelFlags, SamplingFlags, as_list, command
 from jaxllama.errors import ModelTooLarge
 
 log = logging.getLogger("jaxllama.cli")  # not __name__: run as a program, that is __main__
@@ -113,13 +113,6 @@ def _warn_if_cpu_mesh(llm) -> None:
             "faster (--mesh data=1,model=1)",
             llm.mesh.size,
         )
-
-
-def _as_list(value, kind=str):
-    if value is None:
-        return []
-    values = value if isinstance(value, (list, tuple)) else [value]
-    return [kind(v) for v in values]
 
 
 @command(model=ModelFlags, engine=EngineFlags, sampling=SamplingFlags)
@@ -328,7 +321,7 @@ def compile(
 
     _log_to_stderr(logging.INFO)
     try:
-        prefills = [_rows_by_tokens(p) for p in _as_list(prefill) for p in p.split(",") if p] or None
+        prefills = [_rows_by_tokens(p) for p in as_list(prefill) for p in p.split(",") if p] or None
         options = engine.options()
         report = LLM.compile_for(model.model, topology=topology, prefills=prefills, options=options, **model.form)
     except LOAD_ERRORS as e:
@@ -496,7 +489,6 @@ METAVARS = cli_flags.shared("metavar") | {
     "hlo_dir": "DIR",
     "price": "USD",
     "assume_output": "N",
-    "max_tokens": "N",
 }
 
 

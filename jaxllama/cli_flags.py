@@ -64,7 +64,7 @@ class ModelFlags:
     @property
     def eos_ids(self) -> list[int]:
         """--eos-id's ids (none where it is not given)."""
-        return [int(x) for x in _as_list(self.eos_id)]
+        return as_list(self.eos_id, int)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,13 +82,13 @@ class EngineFlags:
         "float16",
     )
 
-    def options(self, quantize: str | None = None, **changes):
+    def options(self, quantize: str | None = None):
         """These flags (and `--quantize`) as `EngineOptions`, checked where it is made: a ValueError naming the flag
         for a bad value."""
         from jaxllama.engine.options import EngineOptions
         from jaxllama.errors import InvalidOption
 
-        values = dataclasses.asdict(self) | {"quantize": quantize} | changes
+        values = dataclasses.asdict(self) | {"quantize": quantize}
         try:
             return EngineOptions(max_slots=values.pop("max_batch"), **values)
         except InvalidOption as e:
@@ -126,7 +126,7 @@ class SamplingFlags:
         """--stop's strings, their escapes read."""
         from jaxllama.cli_args import unescape
 
-        return [unescape(s) for s in _as_list(self.stop)]
+        return [unescape(s) for s in as_list(self.stop)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +196,8 @@ def shared(key: str) -> dict[str, object]:
 REPEATABLE = tuple(f.name for group in GROUPS for f in dataclasses.fields(group) if f.metadata["repeatable"])
 
 
-def _as_list(value) -> list:
+def as_list(value, kind=str) -> list:
+    """A flag's value as a list of `kind`: a repeatable flag's values, one value, or none (None)."""
     if value is None:
         return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+    return [kind(v) for v in (value if isinstance(value, (list, tuple)) else [value])]

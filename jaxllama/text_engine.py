@@ -85,6 +85,7 @@ class _Pending:
     index: int = 0
     prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
     started: bool = False  # its first event has gone out
+    on_event: Callable[[Event], None] | None = None  # where its request's events go
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +114,6 @@ class TextEngine:
         self.engine, self.tokenizer = engine, tokenizer
         self.pending: dict[object, _Pending] = {}  # by the engine's id: the request's, or a _Choice's
         self._choices: dict[object, list] = {}  # request id -> the engine ids of its choices not finished
-        self._listeners: dict[object, Callable[[Event], None]] = {}  # request id -> where its events go
 
     def submit(self, id, request: TextRequest, on_event: Callable[[Event], None] | None = None) -> None:
         """Queue a request under `id`, its events handed to `on_event` as the steps give them (in order; the last
@@ -141,10 +141,9 @@ class TextEngine:
         for i, choice in enumerate(choices):
             self.engine.add(choice)
             text = _ChoiceText(self.tokenizer, request.stop, request.include_stop)
-            self.pending[choice.id] = _Pending(text, len(request.prompt), request.logprobs, params, False, id, i)
+            pending = _Pending(text, len(request.prompt), request.logprobs, params, False, id, i, on_event=on_event)
+            self.pending[choice.id] = pending
         self._choices[id] = [choice.id for choice in choices]
-        if on_event is not None:
-            self._listeners[id] = on_event
 
     def running(self, id) -> bool:
         """Whether request `id` has a choice that has not finished."""
@@ -168,7 +167,6 @@ class TextEngine:
         if left:
             return False
         self._choices.pop(id, None)
-        self._listeners.pop(id, None)
         return True
 
     def has_work(self) -> bool:
@@ -176,14 +174,14 @@ class TextEngine:
 
     def step(self) -> list[Event]:
         """One step of the engine -> its events, each also handed to its request's `on_event`."""
-        listeners = dict(self._listeners)  # a request's last event removes its listener
         events = self._events()
-        for event in events:
-            if (on_event := listeners.get(event.id)) is not None:
+        for event, on_event in events:
+            if on_event is not None:
                 on_event(event)
-        return events
+        return [event for event, _ in events]
 
-    def _events(self) -> list[Event]:
+    def _events(self) -> list[tuple[Event, Callable[[Event], None] | None]]:
+        """The step's events, each with its request's `on_event`."""
         events = []
         for u in self.engine.step():
             p = self.pending.get(u.id)
@@ -203,9 +201,8 @@ class TextEngine:
                     p.finishing = True
                 if delta or new_ids or prompt_logprobs:
                     p.started = True
-                    events.append(
-                        Event(p.id, delta, None, new_ids, new_logprobs, p.index, False, new_top, prompt_logprobs)
-                    )
+                    event = Event(p.id, delta, None, new_ids, new_logprobs, p.index, False, new_top, prompt_logprobs)
+                    events.append((event, p.on_event))
                 continue
             reason, stop_reason = u.finish_reason, u.stop_reason
             # A stop string in this last update's text ends it, whatever else did (but an error stays an error)
@@ -228,7 +225,8 @@ class TextEngine:
                 error=u.error,
             )
             last = self._choice_done(p.id, u.id)
-            events.append(Event(p.id, delta, result, new_ids, new_logprobs, p.index, last, new_top, prompt_logprobs))
+            event = Event(p.id, delta, result, new_ids, new_logprobs, p.index, last, new_top, prompt_logprobs)
+            events.append((event, p.on_event))
         return events
 
     def run(self) -> Iterator[Event]:

@@ -79,11 +79,9 @@ class Gpu:
             "registers_per_core_limit": 65536,
             "registers_per_block_limit": 65536,
         }
-        fields = "\n".join(f"  {k}: {v}" for k, v in info.items())
-        capability = f"  cuda_compute_capability {{ major: {major} minor: {minor} }}"
-        return f'gpu_device_info {{\n{fields}\n{capability}\n}}\nplatform_name: "CUDA"\n' + (
-            f'device_description_str: "{self.device_kind}"\n'
-        )
+        lines = ["gpu_device_info {", *(f"  {k}: {v}" for k, v in info.items())]
+        lines += [f"  cuda_compute_capability {{ major: {major} minor: {minor} }}", "}", 'platform_name: "CUDA"']
+        return "\n".join([*lines, f'device_description_str: "{self.device_kind}"', ""])
 
 
 # GPUs `jaxllama compile --topology NAME:N` compiles for on a host without one (jax's CUDA plugin).
