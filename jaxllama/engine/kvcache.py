@@ -14,6 +14,9 @@ scales, whose positions' axis is the same): the functions here map over both.
 
 from __future__ import annotations
 
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -24,6 +27,8 @@ from jaxllama.core.config import ModelConfig
 from jaxllama.core.model import KVCache
 from jaxllama.core.sharding import named_sharding
 from jaxllama.errors import InvalidOption
+
+_ALLOCATOR = ThreadPoolExecutor(1, thread_name_prefix="jaxllama-kv-cache")
 
 # What the cache may be stored in (`Engine(kv_cache_dtype=...)`, `--kv-cache-dtype`); by default the weights' dtype.
 # In 16 bits a decode step reads half the bytes for attention, which long sequences at large batches are bound by
@@ -86,6 +91,24 @@ def allocate(config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype, la
         jax.jit(lambda s=s: layout.zeros(s, dtype), out_shardings=d) for s, d in zip(shapes, shardings, strict=True)
     ]
     return [(make[0](), make[1]()) for _ in range(config.n_layers)]
+
+
+_abstract = abstract  # the function, which `Allocation`'s argument of that name hides
+
+
+class Allocation:
+    """The slots' cache (`allocate`'s arguments) as `result()` gives it, once: in one process allocated on a thread
+    from the start, so that the first touch of its pages (on a CPU, ~1 s a GB) overlaps the host's work up to the
+    first prefill, which loads its programs meanwhile; across processes when first asked for; `abstract`: its
+    ShapeDtypeStructs."""
+
+    def __init__(self, config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype, layout, abstract: bool):
+        shape = (config, mesh, slots, length, dtype, layout)
+        self._make = functools.partial(_abstract if abstract else allocate, *shape)
+        self._future = _ALLOCATOR.submit(self._make) if not abstract and jax.process_count() == 1 else None
+
+    def result(self) -> KVCache:
+        return self._future.result() if self._future is not None else self._make()
 
 
 def resize_layer(layer: tuple, *, length: int, layout: CacheLayout) -> tuple:

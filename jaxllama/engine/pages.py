@@ -17,6 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxllama.engine import buckets
+from jaxllama.engine.interface import PrefillRow
+
 
 class PageTable:
     def __init__(self, slots: int, max_context: int, page_size: int):
@@ -79,6 +82,19 @@ class PageTable:
             held = self.held[slot][:width] if slot < len(self.held) else []
             out[row, : len(held)] = held
         return out
+
+    def prefill_table(self, rows: Sequence[PrefillRow], n: int, span: int) -> np.ndarray:
+        """Give a prefill's rows their pages (a reused prefix's shared) -> the page tables of its `n` rows, as many
+        pages as its `span` of positions: each row's slot's, a chunk's too (it lands in no decode slot, but its keys
+        in its slot's pages); a padding row's none."""
+        self.assign([(r.slot, r.source, r.start, r.start + len(r.tokens)) for r in rows])
+        return self.table([r.slot for r in rows] + [len(self.held)] * (n - len(rows)), self.pages_for(span))
+
+    def decode_table(self, columns: Sequence[int], max_context: int) -> np.ndarray:
+        """The page tables of a decode step's columns (an index past the last slot: padding): as many pages as the
+        longest sequence's bucket of positions."""
+        longest = max((self.positions(c) for c in columns if c < len(self.held)), default=1)
+        return self.table(columns, self.pages_for(buckets.bucket(longest, max_context)))
 
     @property
     def free(self) -> int:

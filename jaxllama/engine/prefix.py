@@ -19,7 +19,7 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from jaxllama.engine.interface import PromptLogprobs
+from jaxllama.engine.interface import PrefillRow, PromptLogprobs, Sampled
 
 MIN_REUSE = 8  # tokens: below this, computing the prefix again costs less than the bookkeeping
 # Tokens a prompt computes again rather than copy a longer prefix from a busy slot into its own: a few tokens' compute
@@ -53,6 +53,21 @@ class ResidentPrefixes:
         """The cache was cut to `length` positions."""
         self.tokens = [t[:length] for t in self.tokens]
         self.logprobs = [None if lp is None else lp[: max(0, length - 1)] for lp in self.logprobs]
+
+    def prompt_logprobs(self, rows: Sequence[PrefillRow], out: Sampled | None) -> list[PromptLogprobs | None]:
+        """The log-probabilities of each prefill row's prompt tokens after the first, where the prefill (`out`)
+        computed them: those of a reused prefix as its source slot keeps them (read before any row's slot is held
+        anew), then the prefill's own."""
+        if out is None or out.prompt is None:
+            return [None] * len(rows)
+        whole = []
+        for r, computed in zip(rows, out.prompt, strict=True):
+            known = self.logprobs[r.source] if r.start else None
+            if r.start and (known is None or len(known) < r.start):
+                whole.append(None)  # reused past what is known: the row did not ask (`best`)
+            else:
+                whole.append(PromptLogprobs.join([known[: r.start], computed]) if r.start else computed)
+        return whole
 
     def best(
         self,

@@ -12,7 +12,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from jaxllama.errors import InvalidParameter, is_int
+from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest, is_int
 
 # Why a request ended: an end-of-generation token or a stop string ("stop"), its token budget or the context
 # ("length"), a `finish` call from outside ("cancelled", or "stop" for a stop string found in the text), or its
@@ -164,6 +164,23 @@ class TokenConstraint(Protocol):
         with finish_reason "error" and this error, whatever was sampled."""
 
 
+def token_masks(constraints: list[TokenConstraint | None], vocab_size: int):
+    """The function that gives each row's token bitmask [rows, ceil(vocab / 32)] (its constraint's; every token where
+    it has none), or None when no row is constrained: called just before the device needs them."""
+    if not any(c is not None for c in constraints):
+        return None
+    words = (vocab_size + 31) // 32
+
+    def fill() -> np.ndarray:
+        out = np.full((len(constraints), words), -1, np.int32)
+        for row, c in zip(out, constraints, strict=True):
+            if c is not None:
+                c.fill_mask(row)
+        return out
+
+    return fill
+
+
 @dataclasses.dataclass
 class Request:
     """One generation request: prompt token ids, how to sample, and optionally what the output must match."""
@@ -205,3 +222,32 @@ class Update:
     # log-probability given the tokens before it and its params.prompt_logprobs alternatives.
     prompt_logprobs: list[tuple[float, TopLogprobs]] | None = None
     error: Exception | None = None  # with finish_reason "error": why (`TokenConstraint.error`)
+
+
+def check_request(request: Request, runner) -> None:
+    """Raise a RequestError if the request can never run on `runner` (its `vocab_size`, `max_context`, `eos_ids` and
+    `max_stop_ids`): the caller reports it for that request alone; its `SamplingParams` checked themselves when
+    made."""
+    n, vocab, eos = len(request.prompt), runner.vocab_size, len(tuple(runner.eos_ids))
+    if n == 0:
+        raise InvalidRequest("prompt is empty", "prompt")
+    if n >= runner.max_context:
+        raise ContextLengthExceeded(
+            f"prompt is {n} tokens, the context limit is {runner.max_context} "
+            "(prompt plus at least one generated token)"
+        )
+    bad = [t for t in request.prompt if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    stop_ids = request.params.stop_token_ids
+    if eos * (not request.params.ignore_eos) + len(stop_ids) > runner.max_stop_ids:
+        extra = runner.max_stop_ids - eos
+        raise InvalidParameter(f"stop_token_ids: at most {extra} extra stop token ids", "stop_token_ids")
+    bad = [t for t in stop_ids if not 0 <= t < vocab]
+    if bad:
+        message = f"stop_token_ids={list(stop_ids)}: {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+        raise InvalidParameter(message, "stop_token_ids")
+    bad = [t for t, _ in request.params.logit_bias if not 0 <= t < vocab]
+    if bad:
+        message = f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+        raise InvalidParameter(message, "logit_bias")
