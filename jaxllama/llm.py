@@ -9,13 +9,11 @@ for piece in llm.generate("Tell me a story", max_tokens=20, stream=True): print(
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
 import logging
 import os
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,6 +37,7 @@ from jaxllama.engine.programs import preload_imports
 from jaxllama.engine.request import SamplingParams
 from jaxllama.engine.runtime import enable_compilation_cache, prepared_cache
 from jaxllama.engine.stats import EngineStats
+from jaxllama.engine_loop import EngineLoop
 from jaxllama.errors import ContextLengthExceeded, InvalidParameter, InvalidRequest
 from jaxllama.protocol.requests import (
     OUTPUT_FORMAT_FIELDS,
@@ -48,7 +47,7 @@ from jaxllama.protocol.requests import (
     samples,
     sampling_params,
 )
-from jaxllama.results import Event, Result
+from jaxllama.results import Result
 from jaxllama.text.chat_template import ChatTemplate
 from jaxllama.text.conversation import validate_messages
 from jaxllama.text.end_of_generation import end_of_generation_ids, load_generation_config
@@ -111,16 +110,7 @@ class LLM:
         self.text_engine = TextEngine(self.engine, tokenizer)
         grammars = GrammarCompiler(tokenizer, config.vocab_size, self.eos_ids)
         self.prompts = PromptEncoder(tokenizer, template, grammars, config.vocab_size)  # what request pipelines use
-        self._next_id = 0
-        # Turns at the engine, one thread at a time (the engine donates its cache to each step: two threads stepping
-        # at once would read a freed array), first come first served (tickets: a thread that steps again at once must
-        # not keep the others from submitting), a turn a step: between steps a thread takes the events another's
-        # step gave it. `_user` is the thread whose turn it is (None: nobody's), `_depth` how deep in its own uses.
-        self._turn = threading.Condition()
-        self._user: int | None = None
-        self._depth = 0
-        self._serving = self._next_ticket = 0  # the ticket whose turn it is; the next one to give (equal: no queue)
-        self._spent: set[int] = set()  # tickets used, or given up waiting (interrupted): skipped
+        self.loop = EngineLoop(self.text_engine)  # how every call runs its requests
 
     @classmethod
     def load(
@@ -282,7 +272,7 @@ class LLM:
         for i, row in enumerate(rows):
             tokens[i, : len(row)] = row
         replicated = NamedSharding(self.mesh, PartitionSpec())  # every process can read all of it
-        with self._engine_turn():  # the engine's weights and operations, which a step uses meanwhile
+        with self.loop.turn():  # the engine's weights and operations, which a step uses meanwhile
             logits = _sequence_logits(self.params, self.config, jnp.asarray(tokens), replicated, self.engine.ops)
             out = np.array(logits)
         for i, n in enumerate(lengths):
@@ -397,8 +387,8 @@ class LLM:
                 prompts.append(ids)
                 scored.append(len(ids) - 1)
         params = SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=1)
-        request_ids, inbox = self._submit([TextRequest(prompt, params) for prompt in prompts])
-        with contextlib.closing(self._events(request_ids, inbox)) as events:
+        request_ids, inbox = self.loop.submit_all([TextRequest(prompt, params) for prompt in prompts])
+        with contextlib.closing(self.loop.events(request_ids, inbox)) as events:
             results = {e.id: e.result for e in events if e.result is not None}
         out = []
         for rid, prompt, n in zip(request_ids, prompts, scored, strict=True):
@@ -426,9 +416,9 @@ class LLM:
                 raise ValueError("stream=True takes a single prompt or conversation, and n=1")
             return self._stream(ids[0], params, stop, include_stop, grammar)
         requests = [TextRequest(p, params, stop, include_stop, logprobs, grammar=grammar, n=n) for p in ids]
-        request_ids, inbox = self._submit(requests)
+        request_ids, inbox = self.loop.submit_all(requests)
         results = {r: [None] * n for r in request_ids}
-        with contextlib.closing(self._events(request_ids, inbox)) as events:  # closed early: the rest are cancelled
+        with contextlib.closing(self.loop.events(request_ids, inbox)) as events:  # closed early: the rest are cancelled
             for event in events:
                 if event.result is not None:
                     if event.result.error is not None:
@@ -438,108 +428,15 @@ class LLM:
         return out[0] if single else out
 
     def _stream(self, prompt_ids, params, stop, include_stop, grammar=None) -> Iterator[str]:
-        request_ids, inbox = self._submit([TextRequest(prompt_ids, params, stop, include_stop, grammar=grammar)])
-        with contextlib.closing(self._events(request_ids, inbox)) as events:
+        request_ids, inbox = self.loop.submit_all(
+            [TextRequest(prompt_ids, params, stop, include_stop, grammar=grammar)]
+        )
+        with contextlib.closing(self.loop.events(request_ids, inbox)) as events:
             for event in events:
                 if event.result is not None and event.result.error is not None:
                     raise event.result.error
                 if event.delta:
                     yield event.delta
-
-    def _submit(self, requests: Sequence[TextRequest]) -> tuple[list[str], collections.deque]:
-        """Submit `requests` to the engine, their events to go to one new inbox; return their ids and the inbox.
-        Registered in the same turn as submitted: a step of another thread's may give their first events next."""
-        inbox, request_ids = collections.deque(), []
-        with self._engine_turn():
-            try:
-                for request in requests:
-                    rid = self._new_id()
-                    # whichever call steps the engine, each event lands in the inbox of the call that owns it
-                    self.text_engine.submit(rid, request, on_event=inbox.append)
-                    request_ids.append(rid)
-            except BaseException:  # one refused: the call fails, and the ones before it must not run on unread
-                self._drop(request_ids)
-                raise
-        return request_ids, inbox
-
-    def _events(self, request_ids: Sequence, inbox: collections.deque) -> Iterator[Event]:
-        """The events of the submitted `request_ids` (from their `inbox`), in order, until each has had its last,
-        stepping the engine as needed; the events of other calls' requests that those steps give are kept for their
-        calls. Closed before the end (a stream its reader dropped, an error): the requests not finished are
-        cancelled."""
-        open_ids = set(request_ids)
-        try:
-            while open_ids:
-                if not inbox:
-                    self._step_for(inbox, open_ids)
-                    continue
-                event = inbox.popleft()
-                if event.last:
-                    open_ids.discard(event.id)
-                yield event
-        finally:
-            if open_ids:
-                self._drop(open_ids)
-
-    def _step_for(self, inbox: collections.deque, open_ids: set) -> None:
-        """Step the engine once for a call waiting for its events in `inbox` (each event goes to its call's); or,
-        while another thread uses the engine, wait for it to finish (its step may bring this call's events)."""
-        with self._turn:
-            if self._serving != self._next_ticket:  # a thread's turn, or some waiting: this call's events may come
-                self._turn.wait()
-                return
-        with self._engine_turn():
-            if inbox:  # another thread's step, just before this turn, brought them
-                return
-            if not self.text_engine.has_work():  # never, unless a request was dropped without its events
-                raise RuntimeError(f"the engine has no work left for requests {sorted(open_ids)}")
-            self.text_engine.step()  # each event to its call's inbox
-
-    def _drop(self, request_ids) -> None:
-        """Cancel the requests of a call that will not read their events any more."""
-        with self._engine_turn():
-            for rid in request_ids:
-                if self.text_engine.running(rid):
-                    self.text_engine.cancel(rid)
-
-    @contextlib.contextmanager
-    def _engine_turn(self):
-        """Use the engine: wait for this thread's turn (after the threads that asked before it), then hold it until
-        the block ends. Re-entrant: a thread may nest its own uses, as a dropped stream's clean-up in the middle of a
-        step does."""
-        me = threading.get_ident()
-        with self._turn:
-            if self._user != me:
-                ticket = self._next_ticket
-                self._next_ticket += 1
-                try:
-                    self._turn.wait_for(lambda: self._serving == ticket)
-                except BaseException:  # KeyboardInterrupt: the turn must pass on without this thread
-                    self._spent.add(ticket)
-                    self._pass_turn()
-                    raise
-                self._user = me
-            self._depth += 1
-        try:
-            yield
-        finally:
-            with self._turn:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._user = None
-                    self._spent.add(self._serving)
-                    self._pass_turn()
-
-    def _pass_turn(self) -> None:
-        """Hand the turn to the first ticket not abandoned (or to nobody); called holding `_turn`."""
-        while self._serving in self._spent:
-            self._spent.discard(self._serving)
-            self._serving += 1
-        self._turn.notify_all()
-
-    def _new_id(self) -> str:
-        self._next_id += 1
-        return f"req-{self._next_id}"
 
 
 def _target(model, topology, dtype, quantize, options, engine_options):

@@ -278,7 +278,7 @@ class JobOnEngine:
             # decode steps that run a few long ones in nearly empty batches. Output stays in file order.
             (one,) = request.text_requests(priority=request.params.max_tokens)
             on_event = functools.partial(self._answered, line, request, [None] * request.n)
-            self.llm.text_engine.submit(line.number, one, on_event)
+            self.llm.loop.submit(one, on_event, id=line.number)
         except Exception as e:  # a line's failure, expected (a RequestError) or not, is its record
             self.fail(line, e)
             return
@@ -293,11 +293,11 @@ class JobOnEngine:
             self.step()
 
     def has_work(self) -> bool:
-        return self.llm.text_engine.has_work()
+        return self.llm.loop.has_work()
 
     def step(self) -> None:
         """One step of the engine; the lines it finishes are delivered (`_answered`)."""
-        self.llm.text_engine.step()
+        self.llm.loop.step()
 
     def _answered(self, line: JobLine, request: PreparedRequest, results: list, event) -> None:
         """A line's event: its choices' results gathered, the line answered at its last."""

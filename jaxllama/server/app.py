@@ -66,7 +66,7 @@ def create_app(
     max_tokens: tokens per answer when a request does not say (default: up to the context limit).
     """
     metrics = Metrics()
-    worker = EngineWorker(llm.text_engine, slots=llm.slots, max_queue=max_queue, metrics=metrics)
+    worker = EngineWorker(llm.loop, slots=llm.slots, max_queue=max_queue, metrics=metrics)
     metrics.watch_load(lambda: worker.running, lambda: worker.waiting)
     pipeline = RequestPipeline(llm.prompts, SamplingParams(max_tokens=max_tokens or llm.max_context))
     handlers = OpenAIHandlers(llm, model_name or llm.name, pipeline, worker, metrics)

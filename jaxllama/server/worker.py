@@ -1,4 +1,4 @@
-"""The engine thread: one thread owns the `TextEngine` (which is not thread-safe) and steps it while there is
+"""The engine thread: one thread steps the `EngineLoop` (`engine_loop.py`) while there is
 work; the HTTP handlers talk to it only through a thread-safe inbox.
 
 Requests from every connection go into the same engine, so continuous batching runs them together. Each
@@ -23,9 +23,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from jaxllama.engine_loop import EngineLoop
 from jaxllama.errors import EngineUnavailable, InvalidParameter, QueueFull
 from jaxllama.results import Event
-from jaxllama.text_engine import TextEngine, TextRequest
+from jaxllama.text_engine import TextRequest
 
 __all__ = ["EngineUnavailable", "EngineWorker", "QueueFull", "RequestStream"]
 
@@ -62,16 +63,16 @@ class _Tracked:
 
 
 class EngineWorker:
-    """Runs a `TextEngine` on its own thread for callers on other threads.
+    """Runs an `EngineLoop` on its own thread for callers on other threads.
 
     `metrics` (a `jaxllama.server.metrics.Metrics`, optional) is told about accepted prompts, first tokens,
     later tokens and finished requests.
     """
 
-    def __init__(self, text_engine: TextEngine, *, slots: int, max_queue: int = 256, metrics=None):
+    def __init__(self, loop: EngineLoop, *, slots: int, max_queue: int = 256, metrics=None):
         if max_queue < 0:
             raise ValueError(f"max_queue={max_queue}: must be >= 0")
-        self.text_engine, self.slots, self.max_queue, self.metrics = text_engine, slots, max_queue, metrics
+        self.loop, self.slots, self.max_queue, self.metrics = loop, slots, max_queue, metrics
         self.error: BaseException | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -154,7 +155,7 @@ class EngineWorker:
     @property
     def running(self) -> int:
         """Samples holding a slot of the engine."""
-        return self.text_engine.engine.running
+        return self.loop.busy_slots
 
     @property
     def waiting(self) -> int:
@@ -169,12 +170,12 @@ class EngineWorker:
     def _loop(self) -> None:
         try:
             while True:
-                busy = self.text_engine.has_work() and not self._paused
+                busy = self.loop.has_work() and not self._paused
                 if not self._take_commands(block=not busy):
                     break
-                if self._paused or not self.text_engine.has_work():
+                if self._paused or not self.loop.has_work():
                     continue
-                self.text_engine.step()  # each event to its request's `_dispatch`
+                self.loop.step()  # each event to its request's `_dispatch`
         except BaseException as e:  # noqa: BLE001 - reported to every waiting request and by /health
             self.error = e
             raise
@@ -205,7 +206,7 @@ class EngineWorker:
     def _admit(self, s: _Submit) -> None:
         tracked = _Tracked(s.deliver, s.submitted, s.request.n)
         try:
-            self.text_engine.submit(s.id, s.request, on_event=functools.partial(self._dispatch, s.id, tracked))
+            self.loop.submit(s.request, functools.partial(self._dispatch, s.id, tracked), id=s.id)
         except ValueError as e:
             self._release(s.request.n)
             _safe(s.deliver, e)
@@ -219,8 +220,8 @@ class EngineWorker:
         if tracked is None:  # finished already, or never admitted
             return
         tracked.deliver = None
-        self.text_engine.cancel(rid)
-        if not self.text_engine.running(rid):  # it was waiting for a slot: dropped at once
+        self.loop.cancel([rid])
+        if not self.loop.running(rid):  # it was waiting for a slot: dropped at once
             del self._tracked[rid]
             self._release(tracked.samples)
             if self.metrics:

@@ -177,18 +177,19 @@ def test_job_lines_end_at_newline_only_and_bad_bytes_cost_their_line(tmp_path):
 
 
 class Engineless:
-    """Stands in for `LLM.text_engine`: refuses a prompt with a fault that no check expects."""
+    """Stands in for `LLM.loop`: refuses a prompt with a fault that no check expects."""
 
     name = "none"
 
     def __init__(self):
-        self.text_engine = self
+        self.loop = self
         self.submitted = []
 
-    def submit(self, rid, request, on_event=None):
+    def submit(self, request, on_event, id=None):
         if request.prompt == Characters().encode("boom"):
             raise RuntimeError("a fault of jaxllama's")
-        self.submitted.append(rid)
+        self.submitted.append(id)
+        return id
 
 
 def test_an_unexpected_failure_is_that_lines_internal_error(tmp_path):
