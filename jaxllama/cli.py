@@ -38,10 +38,10 @@ LOAD_ERRORS = (ValueError, OSError, ModelTooLarge)
 def _load(flags: ModelFlags, options, *, quiet=False):
     """The model a command runs (`flags.model`: a path or None for the default model), its engine sized and run by
     `options` (`EngineOptions`, checked already: a flag's bad value is refused before anything loads)."""
-    from jaxllama.core.config import ModelConfig
+    from jaxllama.core.config import ModelConfig, check_dtype
     from jaxllama.default_model import resolve_model
     from jaxllama.engine.runtime import initialize_distributed
-    from jaxllama.llm import LLM, check_dtype
+    from jaxllama.llm import LLM
 
     check_dtype(flags.dtype)
     _log_to_stderr(logging.WARNING if quiet else logging.INFO)
@@ -58,7 +58,7 @@ def _load(flags: ModelFlags, options, *, quiet=False):
 
 def _replica_spec(ray, replicas, processes, coordinator, flags: ModelFlags, options):
     """What each replica of a `--ray` job loads; the flags checked, and Ray's presence, before anything starts."""
-    from jaxllama.llm import check_dtype
+    from jaxllama.core.config import check_dtype
     from jaxllama.ray import ReplicaSpec, import_ray
 
     for name, value in (("--replicas", replicas), ("--replica-processes", processes)):

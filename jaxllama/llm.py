@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxllama import targets
 from jaxllama.core import kv_groups
 from jaxllama.core.checkpoint import is_checkpoint, load_config
-from jaxllama.core.chips import chip_of, skip_absent_tpu
-from jaxllama.core.config import STORAGE_DTYPES, ModelConfig
+from jaxllama.core.chips import skip_absent_tpu
+from jaxllama.core.config import ModelConfig, check_dtype
 from jaxllama.core.model import forward, sequence_logits
 from jaxllama.core.params import abstract_stored, as_blocks
 from jaxllama.engine import prepared
@@ -153,13 +154,7 @@ class LLM:
         if compilation_cache:
             enable_compilation_cache()
         path = resolve_model(path)
-        if keep_prepared is None:
-            keep_prepared = os.environ.get("JAXLLAMA_KEEP_PREPARED", "1") != "0"
-        kept = prepared_cache() if keep_prepared else None
-        digest = prepared.checkpoint_digest(Path(path)) if kept is not None and is_checkpoint(path) else None
-        # Checked against the arrays stored before its sizes are trusted, unless weights prepared from this very
-        # checkpoint are kept: it was checked then.
-        stored = load_config(path, check=digest is None or not prepared.checked(kept, digest))
+        kept, digest, stored = _kept_and_stored(path, keep_prepared)
         config = stored.with_dtype(jnp.dtype(dtype).name) if dtype is not None else stored  # as restored
         plan = plan_load(config, jax.devices(), mesh, options, stored=stored)
         ops = plan.ops
@@ -177,56 +172,8 @@ class LLM:
             tokenizer, template, eos = text.result()
         return cls(plan.config, params, plan.mesh, tokenizer, template, eos, path=Path(path), plan=plan)
 
-    @staticmethod
-    def compile_for(
-        model: str | Path | ModelConfig | None = None,
-        *,
-        topology: str | None = None,
-        mesh: str | dict | None = None,
-        dtype=None,
-        quantize: str | None = None,
-        prefills: Sequence[tuple[int, int]] | None = None,
-        options: EngineOptions | None = None,
-        **engine_options,
-    ):
-        """Compile the engine for a target without its weights and report whether the model fits and how fast it
-        would decode (`engine/aot.py`): `model` a known shape name (`core/shapes.py`: "llama-3.1-8b"), a
-        checkpoint (only its config is read) or a config; `topology` a TPU slice such as "v5e:2x4" (needs libtpu),
-        default the local devices. `dtype` converts every weight; `quantize` "int8" quantizes every product's weight
-        at load (a scale per output channel), "q8_0" or "q4_0" stores it as blocks. `options` (`EngineOptions`, its
-        fields also given as keywords: `max_slots`, `max_context`, `kv_cache_dtype`) size the engine. Returns an
-        `aot.EngineReport`
-        (`.table()`, `.to_json()`); raises ModelTooLarge, with the figures, where no mesh fits."""
-        from jaxllama.engine import aot
-
-        config, devices, target, options = _target(model, topology, dtype, quantize, options, engine_options)
-        return aot.compile_engine(config, devices, options, target=target, mesh=mesh, prefills=prefills)
-
-    @staticmethod
-    def predict_job(
-        model: str | Path | ModelConfig | None,
-        jobs: Sequence[tuple[list[int], int]],
-        *,
-        topology: str | None = None,
-        mesh: str | dict | None = None,
-        dtype=None,
-        quantize: str | None = None,
-        price: float | None = None,
-        options: EngineOptions | None = None,
-        **engine_options,
-    ):
-        """A job's time and cost on a target before it runs (`engine/job_clock.py`): `jobs` are its requests'
-        prompt token ids and output lengths, run by the engine's scheduler on the clock of its compiled programs'
-        costs, estimated for a TPU slice (`topology`) or measured on the local devices. The other arguments are
-        `compile_for`'s; `price`: dollars per chip-hour. Returns a `job_clock.JobPrediction`."""
-        from jaxllama.engine import aot, job_clock
-
-        config, devices, target, options = _target(model, topology, dtype, quantize, options, engine_options)
-        engine, plan = aot.abstract_engine(config, devices, options, mesh)
-        chip = chip_of(plan.mesh.devices.flat[0])
-        cost = job_clock.measured_cost() if topology is None else job_clock.estimated_cost(chip)
-        step_tokens = engine.options.step_tokens
-        return job_clock.predict(engine.runner, jobs, cost, step_tokens=step_tokens, chips=plan.mesh.size, price=price)
+    compile_for = staticmethod(targets.compile_for)
+    predict_job = staticmethod(targets.predict_job)
 
     @property
     def name(self) -> str:
@@ -366,26 +313,7 @@ class LLM:
         >>> llm.score([("The capital of France is", " Paris")])[0].logprob  # doctest: +SKIP
         -1.23
         """
-        prompts, scored = [], []
-        for i, item in enumerate(items):
-            if isinstance(item, tuple):
-                if len(item) != 2:
-                    raise InvalidRequest(f"items[{i}]: a pair is (context, continuation)")
-                context, continuation = item
-                context = self.encode(context) if isinstance(context, str) else list(context)
-                continuation = (
-                    self.encode(continuation, add_bos=False) if isinstance(continuation, str) else list(continuation)
-                )
-                if not context or not continuation:
-                    raise InvalidRequest(f"items[{i}]: the context and the continuation must each hold a token")
-                prompts.append(context + continuation)
-                scored.append(len(continuation))
-            else:
-                ids = self.encode(item) if isinstance(item, str) else list(item)
-                if len(ids) < 2:
-                    raise InvalidRequest(f"items[{i}]: a text to score needs at least two tokens")
-                prompts.append(ids)
-                scored.append(len(ids) - 1)
+        prompts, scored = _scored_prompts(items, self.encode)
         params = SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=1)
         request_ids, inbox = self.loop.submit_all([TextRequest(prompt, params) for prompt in prompts])
         with contextlib.closing(self.loop.events(request_ids, inbox)) as events:
@@ -439,30 +367,39 @@ class LLM:
                     yield event.delta
 
 
-def _target(model, topology, dtype, quantize, options, engine_options):
-    """`compile_for`'s arguments resolved: the model's config (as restored), the target's devices and name, and the
-    engine's options."""
-    from jaxllama.core.shapes import SHAPES, known_shape
-    from jaxllama.default_model import resolve_model
-    from jaxllama.engine import aot
+def _scored_prompts(items: Sequence, encode) -> tuple[list[list[int]], list[int]]:
+    """`LLM.score`'s items as prompts (token ids, texts encoded with `encode`) and how many of each one's last tokens
+    are scored."""
+    prompts, scored = [], []
+    for i, item in enumerate(items):
+        if isinstance(item, tuple):
+            if len(item) != 2:
+                raise InvalidRequest(f"items[{i}]: a pair is (context, continuation)")
+            context, continuation = item
+            context = encode(context) if isinstance(context, str) else list(context)
+            continuation = encode(continuation, add_bos=False) if isinstance(continuation, str) else list(continuation)
+            if not context or not continuation:
+                raise InvalidRequest(f"items[{i}]: the context and the continuation must each hold a token")
+            prompts.append(context + continuation)
+            scored.append(len(continuation))
+        else:
+            ids = encode(item) if isinstance(item, str) else list(item)
+            if len(ids) < 2:
+                raise InvalidRequest(f"items[{i}]: a text to score needs at least two tokens")
+            prompts.append(ids)
+            scored.append(len(ids) - 1)
+    return prompts, scored
 
-    options = dataclasses.replace(options or EngineOptions(), **engine_options)
-    if isinstance(model, ModelConfig):
-        config = model
-    elif isinstance(model, str) and known_shape(model) is not None:
-        config = known_shape(model)
-    else:
-        if model is not None and not Path(model).exists():
-            raise ValueError(f"{model}: neither a checkpoint nor a known shape ({', '.join(SHAPES)})")
-        config = load_config(resolve_model(model))
-    if dtype is not None:
-        check_dtype(dtype)
-        config = config.with_dtype(jnp.dtype(dtype).name)
-    if quantize is not None and quantize != "int8":
-        config = aot.quantized(config, quantize)
-    devices, target = aot.target_devices(topology)
-    options = dataclasses.replace(options, quantize="int8" if quantize == "int8" else None)
-    return config, devices, target, options
+
+def _kept_and_stored(path, keep_prepared: bool | None):
+    """(where prepared weights are kept or None, the checkpoint's digest there or None, its config as stored) for
+    `LLM.load`: the config checked against the arrays stored before its sizes are trusted, unless weights prepared
+    from this very checkpoint are kept (it was checked then)."""
+    if keep_prepared is None:
+        keep_prepared = os.environ.get("JAXLLAMA_KEEP_PREPARED", "1") != "0"
+    kept = prepared_cache() if keep_prepared else None
+    digest = prepared.checkpoint_digest(Path(path)) if kept is not None and is_checkpoint(path) else None
+    return kept, digest, load_config(path, check=digest is None or not prepared.checked(kept, digest))
 
 
 def _load_text(
@@ -490,18 +427,6 @@ def _refuse_lone_surrogates(arguments: dict) -> None:
     if surrogate is not None:
         path, _, message = surrogate
         raise InvalidRequest(message, path)
-
-
-def check_dtype(dtype) -> None:
-    """ValueError unless `dtype` is None or a dtype weights may be converted to (`LLM.load(dtype=...)`, --dtype)."""
-    if dtype is None:
-        return
-    try:
-        name = jnp.dtype(dtype).name
-    except TypeError:
-        name = None
-    if name not in STORAGE_DTYPES:
-        raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(STORAGE_DTYPES)}")
 
 
 def _repeat_kv_heads(params, config: ModelConfig, run_config: ModelConfig, mesh):

@@ -228,3 +228,17 @@ class ModelConfig:
         if config.dtype not in STORAGE_DTYPES:
             raise CheckpointError(f"{path}: dtype: {config.dtype!r} is not one of {', '.join(STORAGE_DTYPES)}")
         return config
+
+
+def check_dtype(dtype) -> None:
+    """ValueError unless `dtype` is None or a dtype weights may be converted to (`LLM.load(dtype=...)`, --dtype)."""
+    if dtype is None:
+        return
+    import jax.numpy as jnp  # here, not above: the rest of this module is plain Python
+
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in STORAGE_DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(STORAGE_DTYPES)}")
