@@ -326,11 +326,14 @@ def compile_engine(
     options = dataclasses.replace(options or EngineOptions(), **fields)
     options = dataclasses.replace(options, decode_steps=1)  # the report's decode step is one step, one call
     engine, where = abstract_engine(config, devices, options, mesh)
-    own = config  # the model's own KV heads: what no implementation can avoid reading
-    config = where.config  # its KV heads repeated where the model axis asks (`core/kv_groups.py`)
-    cache_dtype = where.cache_dtype
-    runner, programs = engine.runner, engine.runner.programs
-    phases: dict[str, list[Compiled]] = {}
+    phases = _compile_phases(engine.runner, where, target, prefills)
+    return _engine_report(config, engine, where, phases, target, len(devices), time.perf_counter() - started)
+
+
+def _compile_phases(runner, where: LoadPlan, target: str, prefills) -> dict[str, list[Compiled]]:
+    """Compile what each of the report's phases runs on the abstract `runner` (the cache's growth, where it grows;
+    the decode step; each prefill of `prefills`) -> the programs each called, by phase."""
+    programs, phases = runner.programs, {}
 
     def phase(name: str, run) -> None:
         log.info("compiling %s", name)
@@ -349,7 +352,9 @@ def compile_engine(
         runner.make_room(0, dict.fromkeys(range(runner.slots), context))
     else:
         before = max(buckets.MIN_BUCKET, _previous_bucket(context))
-        runner.cache = kvcache.abstract(config, where.mesh, runner.slots, before, cache_dtype, runner.layout)
+        runner.cache = kvcache.abstract(
+            where.config, where.mesh, runner.slots, before, where.cache_dtype, runner.layout
+        )
         phase("cache growth", lambda: runner.resize(context))
     phase("decode step", lambda: runner.generate(list(range(runner.slots)), [SamplingParams()]))
     if prefills is None:
@@ -360,7 +365,13 @@ def compile_engine(
         requests = [Request(None, [1] * length, SamplingParams()) for _ in range(rows)]
         batch = [PrefillRow(r, r.prompt, 0, slot, slot) for slot, r in enumerate(requests)]
         phase(f"prefill {rows}x{length}", lambda batch=batch: runner.prefill(batch))
+    return phases
 
+
+def _engine_report(own: ModelConfig, engine: Engine, where: LoadPlan, phases: dict, target, devices: int, seconds):
+    """The report of the programs compiled by phase (`_compile_phases`) of `engine`, the engine of the model `own`
+    (its own KV heads: what no implementation can avoid reading) as `where` plans it on `devices` of `target`."""
+    config, cache_dtype, runner, context = where.config, where.cache_dtype, engine.runner, where.context
     chip = chip_of(where.mesh.devices.flat[0])
     reports, by_program = [], {}
     for name, calls in phases.items():
@@ -392,7 +403,7 @@ def compile_engine(
             prefill_reports.append(report)
     return EngineReport(
         target=target,
-        devices=len(devices),
+        devices=devices,
         mesh=dict(where.mesh.shape),
         slots=runner.slots,
         context=context,
@@ -402,7 +413,7 @@ def compile_engine(
         programs=reports,
         decode=decode,
         prefills=prefill_reports,
-        compile_s=time.perf_counter() - started,
+        compile_s=seconds,
         kv_cache=f"paged, {runner.pages.page_size}-position pages" if runner.pages else "contiguous",
         decode_attention="Pallas kernel" if _kernels(phases["decode step"]) - {"gmm"} else "XLA",
         prompt_kernel=prompt_kernel,
