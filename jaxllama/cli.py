@@ -164,26 +164,16 @@ def run(
     """
     from pathlib import Path
 
-    from jaxllama.batch.jobs import count_lines
     from jaxllama.batch.lock import OutputLock
-    from jaxllama.batch.runner import JobInterrupted, JobOptions, default_output, print_summary, run_job
-    from jaxllama.batch.settings import SettingsChanged, check_settings, job_settings
-    from jaxllama.engine.request import SamplingParams
+    from jaxllama.batch.runner import JobInterrupted, JobOptions, default_output, run_job
+    from jaxllama.batch.settings import SettingsChanged, check_settings
     from jaxllama.engine.runtime import initialize_distributed, is_main_process
-    from jaxllama.protocol.requests import sampling_params
 
     job_path = Path(job)
     if not job_path.is_file():
         _fail(f"{job}: no such job file")
     try:
-        defaults = sampling_params(sampling.values(), SamplingParams())  # checked as a job line's fields are
-        options = dict(chat_template=model.chat_template, eos_id=model.eos_ids, quantize=model.quantize)
-        options.update(dtype=model.dtype, kv_cache_dtype=engine.kv_cache_dtype, max_context=engine.max_context)
-        settings = job_settings(model.model, defaults, sampling.stops, sampling.system_prompt, **options)
-        engine_options = engine.options(model.quantize)
-        # No more slots than the job has lines: a slot's KV cache is allocated whether or not a line uses it.
-        slots = min(engine_options.max_slots, max(1, count_lines(job_path)))
-        engine_options = dataclasses.replace(engine_options, max_slots=slots)
+        defaults, settings, engine_options = _job_settings(job_path, model, sampling, engine)
         out_path = Path(output) if output else default_output(job_path)
         if ray is not None:
             spec = _replica_spec(ray, replicas, replica_processes, coordinator, model, engine_options)
@@ -225,15 +215,42 @@ def run(
         print(f"interrupted: {e}", file=sys.stderr)
         sys.exit(INTERRUPTED)
     if main:
-        if not quiet:
-            print_summary(summary)
-            print(f"wrote {output or default_output(job_path)}", file=sys.stderr)
-        if stats_file:
-            Path(stats_file).write_text(json.dumps(summary, indent=2) + "\n")
+        _report_job(summary, output or default_output(job_path), stats_file, quiet)
     if lock is not None:
         lock.release()
     if stats.has_errors:
         sys.exit(1)
+
+
+def _job_settings(job_path, model: ModelFlags, sampling: SamplingFlags, engine: EngineFlags):
+    """`run`'s (sampling defaults, settings its output is written with, engine options): the defaults checked as a
+    job line's fields are; no more slots than the job has lines (a slot's KV cache is allocated whether or not a line
+    uses it)."""
+    from jaxllama.batch.jobs import count_lines
+    from jaxllama.batch.settings import job_settings
+    from jaxllama.engine.request import SamplingParams
+    from jaxllama.protocol.requests import sampling_params
+
+    defaults = sampling_params(sampling.values(), SamplingParams())
+    options = dict(chat_template=model.chat_template, eos_id=model.eos_ids, quantize=model.quantize)
+    options.update(dtype=model.dtype, kv_cache_dtype=engine.kv_cache_dtype, max_context=engine.max_context)
+    settings = job_settings(model.model, defaults, sampling.stops, sampling.system_prompt, **options)
+    engine_options = engine.options(model.quantize)
+    slots = min(engine_options.max_slots, max(1, count_lines(job_path)))
+    return defaults, settings, dataclasses.replace(engine_options, max_slots=slots)
+
+
+def _report_job(summary: dict, output, stats_file: str | None, quiet: bool) -> None:
+    """A finished job's summary on stderr (unless `quiet`) and in `stats_file`."""
+    from pathlib import Path
+
+    from jaxllama.batch.runner import print_summary
+
+    if not quiet:
+        print_summary(summary)
+        print(f"wrote {output}", file=sys.stderr)
+    if stats_file:
+        Path(stats_file).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 @command(model=ModelFlags, engine=EngineFlags)
