@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxllama.core import model
 from jaxllama.core.config import ModelConfig
@@ -24,6 +25,7 @@ def test_halves_of_reordered_dims_rotate_as_the_pairs_do():
     np.testing.assert_allclose(apply_rope(x[..., order], rope, halves=True), apply_rope(x, rope)[..., order], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_model_with_wq_and_wk_reordered_for_halves_gives_the_same_logits():
     config = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=32)
     params = init_params(config, jax.random.key(1))

@@ -24,6 +24,7 @@ def local_engine(**options):
     return engine
 
 
+@pytest.mark.slow
 def test_each_request_generates_its_length_on_the_clock_of_the_programs_called():
     engine = local_engine(max_slots=4, max_context=256)
     jobs = [([1] * n, out) for n, out in [(10, 5), (100, 1), (40, 30), (200, 80), (3, 12), (300, 4)]]
@@ -54,6 +55,7 @@ def test_a_program_is_measured_once_per_shape_on_the_local_devices():
     assert p.output_tokens == 36 and p.wall_s > 0 and p.programs == len(set(map(id, seen))) < len(seen)
 
 
+@pytest.mark.slow
 def test_the_compile_command_predicts_a_job_and_counts_the_lines_run_refuses(tiny_chat_checkpoint, tmp_path, capsys):
     job = tmp_path / "job.jsonl"
     lines = [

@@ -43,7 +43,8 @@ def _engine(config, params, slots: int) -> Engine:
     return Engine(*_engine_args(config, params), eos_ids=[], max_slots=slots)
 
 
-@pytest.mark.parametrize("slots", [4, 16])  # prompts admitted a few at a time, or all in one packed call
+# prompts admitted a few at a time, or all in one packed call
+@pytest.mark.parametrize("slots", [pytest.param(4, marks=pytest.mark.slow), 16])
 def test_packed_prefill_matches_prompts_as_rows(cpu_kernels, monkeypatch, slots):
     assert cpu_kernels
     config = tiny_config()
@@ -67,6 +68,7 @@ def test_packed_prefill_matches_prompts_as_rows(cpu_kernels, monkeypatch, slots)
         assert got[True][0][r.id] == reference_greedy(config, params, r.prompt, r.params.max_tokens)
 
 
+@pytest.mark.slow
 def test_nested_shared_prefixes_are_computed_once_and_score_as_alone(cpu_kernels):
     """Scoring: 2 contexts, 2 questions on each, 3 answers to each question, all admitted at once. Each context and
     each question is computed once (a level at a time, copied one slot after another), and every prompt's

@@ -98,7 +98,7 @@ def test_kernel_matches_xla(kernel, rows, slots, kv, groups, head_dim, length, d
         np.testing.assert_array_equal(np.asarray(kernel(q, *bits, rows_in, positions)), got)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])  # the cache's
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])  # the cache's
 @pytest.mark.parametrize(
     "groups, head_dim, length", [(3, 64, 300), (1, 16, 77), (8, 32, 64), (5, 24, 203), (16, 32, 70)]
 )
@@ -129,6 +129,7 @@ def test_prompt_rows_are_computed_as_one_at_a_time(kernel, groups, head_dim, len
     assert not together[24].any()  # the padding row
 
 
+@pytest.mark.slow
 def test_the_kernels_cache_is_float16_unless_asked(kernel):
     """Where no dtype is asked for, the kernels keep float32 activations' cache in float16 (XLA keeps their dtype);
     one asked for is kept."""
