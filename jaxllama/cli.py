@@ -295,6 +295,7 @@ def compile(
     *,
     model: ModelFlags,
     topology: str | None = None,
+    stored_as: str | None = None,
     engine: EngineFlags,
     prefill=None,
     json: bool = False,
@@ -320,8 +321,8 @@ def compile(
         fewest bytes per device).
       max_context: context in positions (default: on an accelerator the longest that fits, at most the model's).
       dtype: float32, bfloat16 or float16: every weight in it (default: the checkpoint's; bfloat16 for a shape).
-      quantize: int8: every product's weight quantized at load, with a scale per output channel (XLA's products on
-        an accelerator); q8_0 or q4_0: stored as llama.cpp's blocks of 32, as a converted GGUF of that type holds them.
+      stored_as: q8_0 or q4_0: the products' weights stored as llama.cpp's blocks of 32, as a converted GGUF of that
+        type holds them (a shape's; a checkpoint's are read as stored); a TPU or GPU reads them as int8 weights.
       prefill: the prefills to compile, ROWSxTOKENS separated by commas (default: 1xCONTEXT-1,8x512).
       json: print the report as one JSON object.
       hlo_dir: also write each compiled program's optimized HLO into this folder.
@@ -340,13 +341,14 @@ def compile(
     try:
         prefills = [_rows_by_tokens(p) for p in as_list(prefill) for p in p.split(",") if p] or None
         options = engine.options()
-        report = LLM.compile_for(model.model, topology=topology, prefills=prefills, options=options, **model.form)
+        target = dict(topology=topology, stored_as=stored_as, options=options, **model.form)
+        report = LLM.compile_for(model.model, prefills=prefills, **target)
     except LOAD_ERRORS as e:
         _fail(str(e))
     prediction = None
     if job is not None:
         try:
-            prediction = _predict_job(job, model, topology, options, price, assume_output, max_tokens)
+            prediction = _predict_job(job, model, target, price, assume_output, max_tokens)
         except LOAD_ERRORS as e:
             _fail(str(e))
     if json:
@@ -362,10 +364,10 @@ def compile(
         sys.exit(1)
 
 
-def _predict_job(job, flags: ModelFlags, topology, options, price, assume_output, max_tokens) -> dict:
+def _predict_job(job, flags: ModelFlags, target: dict, price, assume_output, max_tokens) -> dict:
     """`compile --job`: the job's sizes read as `run` reads its lines (text through the checkpoint's tokenizer and chat
     template; a shape's lines must give token ids), then its predicted run (`LLM.predict_job`), as JSON with its
-    table under "table"."""
+    table under "table". `target`: `compile_for`'s arguments but the model."""
     from pathlib import Path
 
     from jaxllama.batch.job_sizes import SizesOnly, TokenIdsOnly, job_sizes
@@ -387,7 +389,7 @@ def _predict_job(job, flags: ModelFlags, topology, options, price, assume_output
     sizes = job_sizes(Path(job), encoder, defaults, assume_output=assume_output)
     for number, why in list(sizes.refused.items())[:5]:
         log.warning("%s line %d refused: %s", job, number, why)
-    p = LLM.predict_job(model, sizes.requests, topology=topology, price=price, options=options, **flags.form)
+    p = LLM.predict_job(model, sizes.requests, price=price, **target)
     out = p.to_json() | {"lines": sizes.lines, "refused_lines": len(sizes.refused)}
     return out | {"table": f"{sizes.lines} lines, {len(sizes.refused)} refused by `run`\n" + p.table()}
 
@@ -502,6 +504,7 @@ METAVARS = cli_flags.shared("metavar") | {
     "replica_processes": "K",
     "served_model_name": "NAME",
     "topology": "v5e:2x4",
+    "stored_as": "q8_0|q4_0",
     "prefill": "8x512",
     "hlo_dir": "DIR",
     "price": "USD",

@@ -25,6 +25,7 @@ def compile_for(
     mesh: str | dict | None = None,
     dtype=None,
     quantize: str | None = None,
+    stored_as: str | None = None,
     prefills: Sequence[tuple[int, int]] | None = None,
     options: EngineOptions | None = None,
     **engine_options,
@@ -32,14 +33,17 @@ def compile_for(
     """Compile the engine for a target without its weights and report whether the model fits and how fast it
     would decode (`engine/aot.py`): `model` a known shape name (`core/shapes.py`: "llama-3.1-8b"), a
     checkpoint (only its config is read) or a config; `topology` a TPU slice such as "v5e:2x4" (needs libtpu),
-    default the local devices. `dtype` converts every weight; `quantize` "int8" quantizes every product's weight
-    at load (a scale per output channel), "q8_0" or "q4_0" stores it as blocks. `options` (`EngineOptions`, its
-    fields also given as keywords: `max_slots`, `max_context`, `kv_cache_dtype`) size the engine. Returns an
-    `aot.EngineReport`
+    default the local devices. `dtype` converts every weight; `quantize` is what `LLM.load` takes
+    (`EngineOptions.quantize`): the form the products' weights are made into at load ("int8", a scale per output
+    channel, on XLA's path; the CPU kernels' "q8_0", "w8a8" or "q4_0" on one CPU device); `stored_as` "q8_0" or
+    "q4_0": the products' weights stored as llama.cpp's blocks, as a converted GGUF of that type holds them (a
+    TPU or GPU reads them as int8 weights made at load). `options` (`EngineOptions`, its fields also given as
+    keywords: `max_slots`, `max_context`, `kv_cache_dtype`) size the engine. Returns an `aot.EngineReport`
     (`.table()`, `.to_json()`); raises ModelTooLarge, with the figures, where no mesh fits."""
     from jaxllama.engine import aot
 
-    config, devices, target, options = _target(model, topology, dtype, quantize, options, engine_options)
+    options = dataclasses.replace(options or EngineOptions(), **engine_options, **_given(quantize=quantize))
+    config, devices, target = _target(model, topology, dtype, stored_as)
     return aot.compile_engine(config, devices, options, target=target, mesh=mesh, prefills=prefills)
 
 
@@ -51,6 +55,7 @@ def predict_job(
     mesh: str | dict | None = None,
     dtype=None,
     quantize: str | None = None,
+    stored_as: str | None = None,
     price: float | None = None,
     options: EngineOptions | None = None,
     **engine_options,
@@ -61,7 +66,8 @@ def predict_job(
     `compile_for`'s; `price`: dollars per chip-hour. Returns a `job_clock.JobPrediction`."""
     from jaxllama.engine import aot, job_clock
 
-    config, devices, target, options = _target(model, topology, dtype, quantize, options, engine_options)
+    options = dataclasses.replace(options or EngineOptions(), **engine_options, **_given(quantize=quantize))
+    config, devices, target = _target(model, topology, dtype, stored_as)
     engine, plan = aot.abstract_engine(config, devices, options, mesh)
     chip = chip_of(plan.mesh.devices.flat[0])
     cost = job_clock.measured_cost() if topology is None else job_clock.estimated_cost(chip)
@@ -69,14 +75,17 @@ def predict_job(
     return job_clock.predict(engine.runner, jobs, cost, step_tokens=step_tokens, chips=plan.mesh.size, price=price)
 
 
-def _target(model, topology, dtype, quantize, options, engine_options):
-    """`compile_for`'s arguments resolved: the model's config (as restored), the target's devices and name, and the
-    engine's options."""
+def _given(**values) -> dict:
+    """The values that are not None."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _target(model, topology, dtype, stored_as):
+    """`compile_for`'s arguments resolved: the model's config (as restored) and the target's devices and name."""
     from jaxllama.core.shapes import SHAPES, known_shape
     from jaxllama.default_model import resolve_model
     from jaxllama.engine import aot
 
-    options = dataclasses.replace(options or EngineOptions(), **engine_options)
     if isinstance(model, ModelConfig):
         config = model
     elif isinstance(model, str) and known_shape(model) is not None:
@@ -88,8 +97,7 @@ def _target(model, topology, dtype, quantize, options, engine_options):
     if dtype is not None:
         check_dtype(dtype)
         config = config.with_dtype(jnp.dtype(dtype).name)
-    if quantize is not None and quantize != "int8":
-        config = aot.quantized(config, quantize)
+    if stored_as is not None:
+        config = aot.quantized(config, stored_as)
     devices, target = aot.target_devices(topology)
-    options = dataclasses.replace(options, quantize="int8" if quantize == "int8" else None)
-    return config, devices, target, options
+    return config, devices, target

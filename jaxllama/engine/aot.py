@@ -303,7 +303,7 @@ def quantized(config: ModelConfig, form: str) -> ModelConfig:
     """`config` with every product's weight (not the embedding) stored as blocks of `form` (q8_0 or q4_0), as a
     checkpoint converted from a GGUF of that type holds them."""
     if form not in BLOCK_FORMATS:
-        raise ValueError(f"quantize={form!r}: expected one of {', '.join(BLOCK_FORMATS)}")
+        raise ValueError(f"stored_as={form!r}: expected one of {', '.join(BLOCK_FORMATS)}")
     names = [n for n in param_layout(config) if block_in_dims(n) and n != "embedding"]
     return dataclasses.replace(config, stored_as=tuple((n, form) for n in names))
 

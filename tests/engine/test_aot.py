@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxllama import targets
 from jaxllama.cli import main
 from jaxllama.core.config import ModelConfig
 from jaxllama.core.shapes import known_shape
@@ -158,9 +159,16 @@ def test_an_unknown_model_or_topology_is_one_error_line(capsys):
         assert e.value.code == 2 and "Names look like v5e:2x4" in capsys.readouterr().err
 
 
-def test_compile_for_refuses_a_weight_form_it_cannot_store():
-    with pytest.raises(ValueError, match="quantize='w8a8'"):
+def test_compile_takes_quantize_as_run_does_and_the_stored_blocks_apart():
+    """`quantize` is the form made at load, as `LLM.load` takes it: the CPU kernels' forms need one CPU device, and
+    are refused on a mesh of several as a load would refuse them; blocks a checkpoint stores are `stored_as`."""
+    assert jax.device_count() > 1
+    with pytest.raises(ValueError, match="quantize='w8a8' runs through the CPU kernels"):
         LLM.compile_for("smollm2-135m", quantize="w8a8")
+    with pytest.raises(ValueError, match="stored_as='w8a8'"):
+        LLM.compile_for("smollm2-135m", stored_as="w8a8")
+    config = targets._target("llama-3.1-8b", None, None, "q4_0")[0]
+    assert dict(config.stored_as)["layers_0/attention/wq"] == "q4_0" and "embedding" not in dict(config.stored_as)
 
 
 @pytest.mark.slow
@@ -191,7 +199,20 @@ def test_the_engine_compiles_for_gpus_on_a_host_without_one(capsys, tmp_path):
     16 GPUs on 2 hosts (the decode step's attention by jax's Triton paged-attention kernel), with the memory per GPU
     and the collectives; the GPU compiler gives no flops or cycles without a GPU ("?", null in JSON), so a job's clock
     charges each program its products' flops (read from the HLO) at the GPU's peak where they outlast its bytes."""
-    main(["compile", "--topology", "h100:2x8", "--model", "llama-3.2-1b", "--max-batch", "16", "--json"])
+    main(
+        [
+            "compile",
+            "--topology",
+            "h100:2x8",
+            "--model",
+            "llama-3.2-1b",
+            "--max-batch",
+            "16",
+            "--max-context",
+            "4096",
+            "--json",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["target"] == "h100:2x8" and report["devices"] == 16 and report["chip"]["name"] == "H100 SXM"
     assert report["fits"] and report["device_memory_bytes"] == 80 * GiB
