@@ -34,6 +34,7 @@ QUICK = (
     "tests/test_protocol.py",
     "tests/test_cli.py",
     "tests/test_benchmarks.py",
+    "tests/test_engine_loop.py",
     "tests/batch/test_jobs.py",
     "tests/batch/test_resume.py",
     "tests/batch/test_model_cache.py",
