@@ -120,6 +120,6 @@ def _fit_host(plan: LoadPlan, chosen: bool, **held) -> LoadPlan:
     """The plan with a context whose cache fits the host's available memory beside what else it holds (`held`:
     `memory.fit_host`'s weights, restoring and overhead); ModelTooLarge where a `chosen` context cannot fit."""
     o = plan.options
-    args = (plan.config, plan.mesh, plan.ops, o.max_slots, o.max_context, plan.cache_dtype, o.page_size)
-    where = memory.fit_host(*args, chosen=chosen, **held)
+    cache = memory.SlotsCache(o.max_slots, o.max_context, plan.cache_dtype, o.page_size)
+    where = memory.fit_host(plan.config, plan.mesh, plan.ops, cache, memory.Held(**held), chosen=chosen)
     return dataclasses.replace(plan, options=dataclasses.replace(o, max_context=where.context), memory=where)

@@ -215,52 +215,50 @@ def host_weights(config: ModelConfig, ops: Ops, dtype, mesh: Mesh, stored: Model
     return weights * mesh.shape["data"], _layer_bytes(config) + _layer_bytes(stored or config)
 
 
-def host_footprint(
-    config: ModelConfig,
-    mesh: Mesh,
-    ops: Ops,
-    slots: int,
-    context: int,
-    cache_dtype,
-    page_size: int,
-    *,
-    weights: int = 0,
-    restoring: int = 0,
-    overhead: int = OVERHEAD,
-) -> Footprint:
-    """What this host holds running an engine of `ops` on the CPU mesh `mesh` with `slots` slots of `context`
-    positions: `weights` (0: already in memory) or `restoring`, the KV cache at its largest (`page_size` > 0: a pool
-    allocated whole; else a contiguous cache at its last growth, one layer's new copy beside it), the decode state,
-    and `overhead` for the programs, plus, for a pool, the copy of a layer's pages XLA's attention gathers."""
+@dataclasses.dataclass(frozen=True)
+class SlotsCache:
+    """The KV cache an engine holds: `slots` rows of `context` positions in `dtype`, in pages of `page_size`
+    positions (0: contiguous)."""
+
+    slots: int
+    context: int
+    dtype: object
+    page_size: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """What a host holds beside an engine's cache and state: its `weights` (0: already in memory), one layer being
+    `restoring` beside them, and `overhead` for the programs."""
+
+    weights: int = 0
+    restoring: int = 0
+    overhead: int = OVERHEAD
+
+
+def host_footprint(config: ModelConfig, mesh: Mesh, ops: Ops, cache: SlotsCache, held: Held = Held()) -> Footprint:
+    """What this host holds running an engine of `ops` on the CPU mesh `mesh` with `cache`: what it `held`, the KV
+    cache at its largest (paged: a pool allocated whole; else a contiguous cache at its last growth, one layer's new
+    copy beside it), the decode state, and, for a pool, the copy of a layer's pages XLA's attention gathers."""
+    page_size = cache.page_size
     layout = dataclasses.replace(ops.cache_layout, page_size=page_size) if page_size else ops.cache_layout
     here = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)  # this host's devices
-    layer = per_device_bytes(kvcache.abstract(config, mesh, slots, context, cache_dtype, layout)[0]) * here
-    state = math.ceil(slots / mesh.shape["data"]) * (config.vocab_size * 5 + 1024) * here  # token counts and seen
-    growth, temporaries = (0, overhead + layer) if page_size else (layer, overhead)
-    return Footprint(weights, layer * config.n_layers, growth, state, temporaries, restoring)
+    shape = (config, mesh, cache.slots, cache.context, cache.dtype, layout)
+    layer = per_device_bytes(kvcache.abstract(*shape)[0]) * here
+    state = math.ceil(cache.slots / mesh.shape["data"]) * (config.vocab_size * 5 + 1024) * here  # counts and seen
+    growth, temporaries = (0, held.overhead + layer) if page_size else (layer, held.overhead)
+    return Footprint(held.weights, layer * config.n_layers, growth, state, temporaries, held.restoring)
 
 
 def fit_host(
-    config: ModelConfig,
-    mesh: Mesh,
-    ops: Ops,
-    slots: int,
-    context: int,
-    cache_dtype,
-    page_size: int,
-    *,
-    chosen: bool,
-    weights: int = 0,
-    restoring: int = 0,
-    overhead: int = OVERHEAD,
+    config: ModelConfig, mesh: Mesh, ops: Ops, cache: SlotsCache, held: Held = Held(), *, chosen: bool
 ) -> Plan:
     """The plan of an engine on a CPU mesh (`host_footprint`'s arguments) against the host's available memory: as
     asked where it fits; else, where the context was not `chosen` by the user, the longest that fits (a multiple of
     MIN_BUCKET, at least MIN_CONTEXT), with a warning giving the figures; else ModelTooLarge, with them."""
     have = psutil.virtual_memory().available
-    needs = lambda c: host_footprint(
-        config, mesh, ops, slots, c, cache_dtype, page_size, weights=weights, restoring=restoring, overhead=overhead
-    )
+    slots, context, page_size = cache.slots, cache.context, cache.page_size
+    needs = lambda c: host_footprint(config, mesh, ops, dataclasses.replace(cache, context=c), held)
     asked = Plan(mesh, slots, context, needs(context), have, config)
     if asked.fits:
         return asked

@@ -68,6 +68,8 @@ def test_the_memory_a_model_needs_is_what_its_backend_holds(quantize):
     weights, restoring = memory.host_weights(config, ops, np.float32, mesh)
     assert weights == ops.weight_bytes(config, np.float32)
     with pytest.raises(ModelTooLarge) as e:
-        memory.fit_host(config, mesh, ops, 1, 512, np.float16, 0, chosen=False, weights=weights, restoring=restoring)
+        memory.fit_host(
+            config, mesh, ops, memory.SlotsCache(1, 512, np.float16), memory.Held(weights, restoring), chosen=False
+        )
     assert f"weights {weights / 2**30:.2f}" in str(e.value)
     assert weights / config.n_params == pytest.approx(4 if quantize is None else 1.125, rel=0.05)  # + the embedding

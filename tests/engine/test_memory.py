@@ -43,13 +43,15 @@ def test_the_issues_paged_pool_is_counted_whole_and_does_not_fit_23_gib():
     64-position pages, 64 slots x 8192 positions: the pool, allocated at once, is 22.5 GiB."""
     config = SHAPES["smollm2-135m"]
     mesh = _mesh(config)
-    pool = memory.host_footprint(config, mesh, XLA, 64, 8192, jnp.float32, 64)
+    pool = memory.host_footprint(config, mesh, XLA, memory.SlotsCache(64, 8192, jnp.float32, 64))
     per_layer = 64 * 8192 * 2 * config.n_kv_heads * config.head_dim * 4  # slots x positions x (k, v) x float32
     assert pool.cache == config.n_layers * per_layer == 24_159_191_040
     assert pool.growth == 0 and pool.temporaries == memory.OVERHEAD + per_layer  # XLA gathers a layer's pages
     assert pool.state == 64 * (config.vocab_size * 5 + 1024)  # token counts (int32) and seen (bool) per slot
     assert pool.total > 23 * 2**30
-    grows = memory.host_footprint(config, mesh, XLA, 64, 8192, jnp.float32, 0)  # contiguous: one layer's new copy
+    grows = memory.host_footprint(
+        config, mesh, XLA, memory.SlotsCache(64, 8192, jnp.float32)
+    )  # contiguous: one layer's new copy
     assert grows.cache == pool.cache and grows.growth == per_layer and grows.temporaries == memory.OVERHEAD
 
 
@@ -69,7 +71,9 @@ def _paged_load_needs(checkpoint, context: int) -> int:
     config = load_config(checkpoint)
     mesh = _mesh(config)
     weights, restoring = memory.host_weights(config, XLA, product_form(config), mesh)
-    needs = memory.host_footprint(config, mesh, XLA, 64, context, jnp.float32, 64, weights=weights, restoring=restoring)
+    needs = memory.host_footprint(
+        config, mesh, XLA, memory.SlotsCache(64, context, jnp.float32, 64), memory.Held(weights, restoring)
+    )
     return needs.total
 
 
@@ -112,11 +116,13 @@ def test_an_engine_on_a_cpu_sizes_or_refuses_its_cache_before_allocating_it(tiny
     config = dataclasses.replace(config, max_seq_len=4096)  # the same weights: no table sized by the context
     mesh = _mesh(config)
     kw = dict(eos_ids=[EOS], cpu_kernels=False, page_size=page_size, max_slots=64)
-    fits = memory.host_footprint(config, mesh, XLA, 64, 512, jnp.float32, page_size).total
+    fits = memory.host_footprint(config, mesh, XLA, memory.SlotsCache(64, 512, jnp.float32, page_size)).total
     _available(monkeypatch, fits)
     engine = Engine(config, params, mesh, **kw)
     assert engine.max_context == 512
-    whole = memory.host_footprint(config, mesh, XLA, 64, 4096, jnp.float32, page_size, overhead=0).total
+    whole = memory.host_footprint(
+        config, mesh, XLA, memory.SlotsCache(64, 4096, jnp.float32, page_size), memory.Held(overhead=0)
+    ).total
     _available(monkeypatch, whole - 1)
     with pytest.raises(ModelTooLarge, match="64 slots of 4096 positions"):
         Engine(config, params, mesh, max_context=4096, **kw)
