@@ -321,8 +321,8 @@ def compile(
         fewest bytes per device).
       max_context: context in positions (default: on an accelerator the longest that fits, at most the model's).
       dtype: float32, bfloat16 or float16: every weight in it (default: the checkpoint's; bfloat16 for a shape).
-      stored_as: q8_0 or q4_0: the products' weights stored as llama.cpp's blocks of 32, as a converted GGUF of that
-        type holds them (a shape's; a checkpoint's are read as stored); a TPU or GPU reads them as int8 weights.
+      stored_as: q8_0 or q4_0: the model's products' weights taken as stored as llama.cpp's blocks of 32, as a
+        converted GGUF of that type holds them; a TPU or GPU reads them as int8 weights.
       prefill: the prefills to compile, ROWSxTOKENS separated by commas (default: 1xCONTEXT-1,8x512).
       json: print the report as one JSON object.
       hlo_dir: also write each compiled program's optimized HLO into this folder.
@@ -340,7 +340,7 @@ def compile(
     _log_to_stderr(logging.INFO)
     try:
         prefills = [_rows_by_tokens(p) for p in as_list(prefill) for p in p.split(",") if p] or None
-        options = engine.options()
+        options = engine.options(model.quantize)
         target = dict(topology=topology, stored_as=stored_as, options=options, **model.form)
         report = LLM.compile_for(model.model, prefills=prefills, **target)
     except LOAD_ERRORS as e:

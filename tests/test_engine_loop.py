@@ -119,3 +119,32 @@ def test_a_turn_is_reentrant():
     with loop.turn(), loop.turn():
         loop.submit(request(1), lambda e: None)
     assert loop.has_work()
+
+
+def test_the_servers_thread_and_another_caller_share_the_loop():
+    """The server's worker steps the loop on its thread while a caller in the same process steps it for its own
+    requests: each gets all of its events, whichever thread's step gave them, and the worker's count of requests in
+    flight comes back to zero."""
+    from jaxllama.server.worker import EngineWorker
+
+    loop = EngineLoop(Steps())
+    worker = EngineWorker(loop, slots=4, max_queue=64)
+    worker.start()
+    served, done = {}, threading.Event()
+
+    def deliver(rid, event):
+        served.setdefault(rid, []).append(event)
+        if sum(1 for events in served.values() if events[-1].last) == 20:
+            done.set()
+
+    try:
+        for k in range(20):
+            rid = worker.submit(request(1 + k % 4), lambda event, k=k: deliver(k, event))
+            if k % 3 == 0:
+                ids, inbox = loop.submit_all([request(2)])
+                assert [e.last for e in loop.events(ids, inbox)] == [False, True]
+        assert done.wait(10), served
+        assert {k: len(v) for k, v in served.items()} == {k: 1 + k % 4 for k in range(20)} and rid == 20
+        assert worker.error is None and worker.in_flight == 0
+    finally:
+        worker.stop()

@@ -65,9 +65,9 @@ class LayerCalls:
 
     def run(self, kind: str, x, at: Placement, cache: list) -> tuple[jax.Array, list]:
         """Every layer over tokens x placed as `at` says (`step.step_layers`), one program call per run of layers,
-        each writing its layers' cache in place (donated) -> (x after the last layer, the cache)."""
+        each writing its layers' cache (donated) -> (x after the last layer, the cache). The list `cache` is the one
+        returned, its layers replaced as each call returns them: a call that fails leaves every layer usable."""
         fn = functools.partial(step.step_layers, config=self.config, ops=self.ops)
-        cache = list(cache)
         for (a, b), params in zip(self.weights.runs, self.weights.per_run, strict=True):
             out = (self.arrays.tokens(x.shape), [self.arrays.cache] * (b - a))
             x, cache[a:b] = self.call(kind, fn, (params, x, at, cache[a:b]), None, 3, out)
@@ -119,7 +119,6 @@ class LayerCalls:
         put = functools.partial(kvcache.put_rows, span=span, layout=self.layout)
         cache_dtype = jnp.dtype(self.cache_dtype).name  # a static argument: a name, not a dtype object
         run_layers = functools.partial(step.prefill_layers, config=self.config, ops=self.ops, cache_dtype=cache_dtype)
-        cache = list(cache)
         for (a, b), params in zip(self.weights.runs, self.weights.per_run, strict=True):
             caches = [self.arrays.cache] * (b - a)
             rows = None

@@ -91,7 +91,8 @@ class ModelRunner:
         # The weights as the backend's products read them, a run of `layers_per_program` layers at a time.
         self.weights = Weights.prepare(ops, params, config, options.layers_per_program, donate_params, abstract)
         self.params, self._outer = self.weights.params, self.weights.outer
-        self.layers = LayerCalls(config, ops, self.weights, self.programs, self.arrays, self.layout, cache_dtype)
+        call = lambda *args: self.programs(*args)  # the programs the runner holds when called (a profile wraps them)
+        self.layers = LayerCalls(config, ops, self.weights, call, self.arrays, self.layout, cache_dtype)
         self._state = None
         length = max_context if self.pages else buckets.bucket(options.min_cache, max_context)  # a pool never resizes
         self._cache = None
@@ -118,7 +119,7 @@ class ModelRunner:
 
     @property
     def packs_prompts(self) -> bool:
-        """Whether a prefill runs its prompts as one packed batch of tokens (`_packed_layers`)."""
+        """Whether a prefill runs its prompts as one packed batch of tokens (`LayerCalls.packed`)."""
         return self.ops.packed_prefill and not self.pages
 
     @property

@@ -32,7 +32,7 @@ class PrefillBatch:
     span: int  # cache positions each row reads and writes (the rows' path)
     fresh: bool  # no row starts from a stored prefix
     prompt_logprobs: bool  # some row asks for its prompt's log-probabilities
-    packed: bool = False  # the prompts' tokens as one batch over the slots' cache (`ModelRunner._packed_layers`)
+    packed: bool = False  # the prompts' tokens as one batch over the slots' cache (`LayerCalls.packed`)
     copies: bool = False  # packed: some row copies a reused prefix from another slot first
 
     @staticmethod

@@ -46,8 +46,8 @@ class Scheduler:
     ):
         """`clock`: seconds, for timings and statistics (a job's prediction runs on the clock of its programs' costs,
         `engine/job_clock.py`)."""
-        self.runner, self.step_tokens, self.clock = runner, step_tokens, clock
-        self.slots, self.max_context, self.eos_ids = runner.slots, runner.max_context, tuple(runner.eos_ids)
+        self.runner, self.clock = runner, clock
+        self.slots, self.max_context = runner.slots, runner.max_context
         self.stats = stats or EngineStats()
         self.queue: collections.deque[Request] = collections.deque()
         self.active: dict[int, Slot] = {}  # slot -> the request running there
@@ -57,6 +57,15 @@ class Scheduler:
         self._kept = runner.max_context  # the positions the slots' caches keep (`_make_room`)
         self.ending: dict[int, tuple[FinishReason, str | None]] = {}  # slot -> why `finish` ends it
         self._stopping: set[int] = set()  # slots the device still runs for requests that ended
+
+    @property
+    def step_tokens(self) -> int:
+        """The tokens a step computes while slots decode (`StepPlanner.budget`)."""
+        return self.planner.step_tokens
+
+    @step_tokens.setter
+    def step_tokens(self, tokens: int) -> None:
+        self.planner.step_tokens = tokens
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -137,8 +146,9 @@ class Scheduler:
     def _admit(self) -> tuple[list[Update], bool]:
         """Start waiting requests in free slots, and go on with prompts computed in part -> (their updates, whether
         the step's decode ran with them: its running slots decoded in their last prefill call,
-        `_prefill_and_decode`). While slots decode there, a step computes at most `step_tokens` tokens (`_budget`): a
-        prompt past them is computed in chunks over the next steps, and requests that do not fit wait."""
+        `_prefill_and_decode`). While slots decode there, a step computes at most `step_tokens` tokens
+        (`StepPlanner.budget`): a prompt past them is computed in chunks over the next steps, and requests that do
+        not fit wait."""
         free = [i for i in range(self.slots) if i not in self.active and i not in self.partial]
         take = self._next_requests(len(free))
         if not take and not self.partial:

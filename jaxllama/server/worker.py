@@ -78,8 +78,9 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._in_flight = 0
         self._ids = itertools.count(1)
-        self._tracked: dict[int, _Tracked] = {}  # engine thread only
-        self._paused = False  # engine thread only
+        # Touched only in a turn at the engine loop: its steps (whichever thread takes them) deliver the events.
+        self._tracked: dict[int, _Tracked] = {}
+        self._paused = False  # the worker's thread only
         self._thread: threading.Thread | None = None
         self._stopped = False
 
@@ -100,7 +101,8 @@ class EngineWorker:
 
     def submit(self, request: TextRequest, deliver: Callable[[object], None]) -> int:
         """Queue a request (its `n` samples) and return its id. `deliver`
-        is called on the engine thread with each `Event` of the request, in order (each choice's last carries its
+        is called in a step of the engine loop (on the worker's thread, or on another caller's of the same loop) with
+        each `Event` of the request, in order (each choice's last carries its
         `Result`; the request's last has `last` set), or once with the exception that ended it (a ValueError if it
         can never run, `EngineUnavailable`). Raises `QueueFull`, `EngineUnavailable` or (more samples than the server
         ever holds: `check_samples`) `InvalidParameter` at once."""
@@ -126,8 +128,9 @@ class EngineWorker:
         self._inbox.put(_Cancel(request_id))
 
     def pause(self) -> None:
-        """Hold the engine after its current step: requests are accepted and wait (counting against
-        `max_queue`) until `resume`. For maintenance, and for tests of a full queue."""
+        """Stop stepping the engine after the current step: requests are accepted and wait (counting against
+        `max_queue`) until `resume`. For maintenance, and for tests of a full queue. (Another caller of the same
+        engine loop, an `LLM` call in this process, still steps it.)"""
         self._inbox.put(_Pause(True))
 
     def resume(self) -> None:
@@ -205,27 +208,31 @@ class EngineWorker:
 
     def _admit(self, s: _Submit) -> None:
         tracked = _Tracked(s.deliver, s.submitted, s.request.n)
-        try:
-            self.loop.submit(s.request, functools.partial(self._dispatch, s.id, tracked), id=s.id)
-        except ValueError as e:
-            self._release(s.request.n)
-            _safe(s.deliver, e)
-            return
-        self._tracked[s.id] = tracked
+        with self.loop.turn():  # tracked before another thread's step can finish it
+            self._tracked[s.id] = tracked
+            try:
+                self.loop.submit(s.request, functools.partial(self._dispatch, s.id, tracked), id=_engine_id(s.id))
+            except ValueError as e:
+                del self._tracked[s.id]
+                self._release(s.request.n)
+                _safe(s.deliver, e)
+                return
         if self.metrics:
             self.metrics.prompt_tokens.inc(len(s.request.prompt))
 
     def _cancel(self, rid: int) -> None:
-        tracked = self._tracked.get(rid)
-        if tracked is None:  # finished already, or never admitted
-            return
-        tracked.deliver = None
-        self.loop.cancel([rid])
-        if not self.loop.running(rid):  # it was waiting for a slot: dropped at once
-            del self._tracked[rid]
-            self._release(tracked.samples)
-            if self.metrics:
-                self.metrics.finished.labels("cancelled").inc()
+        with self.loop.turn():  # no step between the cancel and the check
+            tracked = self._tracked.get(rid)
+            if tracked is None:  # finished already, or never admitted
+                return
+            tracked.deliver = None
+            self.loop.cancel([_engine_id(rid)])
+            if self.loop.running(_engine_id(rid)):
+                return
+            del self._tracked[rid]  # it was waiting for a slot: dropped at once
+        self._release(tracked.samples)
+        if self.metrics:
+            self.metrics.finished.labels("cancelled").inc()
 
     def _dispatch(self, rid: int, tracked: _Tracked, event: Event) -> None:
         """Request `rid`'s event: counted, and handed to its client (unless it is gone)."""
@@ -254,6 +261,10 @@ class EngineWorker:
             self._in_flight -= samples
 
     def _fail_all(self, error: Exception) -> None:
+        with self.loop.turn():
+            self._fail_tracked(error)
+
+    def _fail_tracked(self, error: Exception) -> None:
         with self._lock:
             self._stopped = True
         while True:  # requests not yet taken from the inbox
@@ -269,6 +280,11 @@ class EngineWorker:
         self._tracked.clear()
         with self._lock:
             self._in_flight = 0
+
+
+def _engine_id(rid: int) -> tuple:
+    """A server request's id on the engine loop, apart from the ids of other callers' requests there."""
+    return ("server", rid)
 
 
 def _safe(deliver: Callable[[object], None], item: object) -> None:

@@ -1,5 +1,5 @@
 """A prefill through the CPU kernels runs as one packed batch of its prompts' tokens over the slots' cache
-(`ModelRunner._packed_layers`): the same tokens, log-probabilities and prompt log-probabilities as prompts computed
+(`LayerCalls.packed`): the same tokens, log-probabilities and prompt log-probabilities as prompts computed
 as padded rows over copies of their slots' rows, whatever the prompts share (a reused prefix, a step, a call), and
 the reference's tokens; and a decode step joined to a packed prefill call gives what it gives alone."""
 
