@@ -42,8 +42,7 @@ def compile_for(
     (`.table()`, `.to_json()`); raises ModelTooLarge, with the figures, where no mesh fits."""
     from jaxllama.engine import aot
 
-    options = dataclasses.replace(options or EngineOptions(), **engine_options, **_given(quantize=quantize))
-    config, devices, target = _target(model, topology, dtype, stored_as)
+    config, devices, target, options = _target(model, topology, dtype, stored_as, quantize, options, engine_options)
     return aot.compile_engine(config, devices, options, target=target, mesh=mesh, prefills=prefills)
 
 
@@ -66,8 +65,7 @@ def predict_job(
     `compile_for`'s; `price`: dollars per chip-hour. Returns a `job_clock.JobPrediction`."""
     from jaxllama.engine import aot, job_clock
 
-    options = dataclasses.replace(options or EngineOptions(), **engine_options, **_given(quantize=quantize))
-    config, devices, target = _target(model, topology, dtype, stored_as)
+    config, devices, target, options = _target(model, topology, dtype, stored_as, quantize, options, engine_options)
     engine, plan = aot.abstract_engine(config, devices, options, mesh)
     chip = chip_of(plan.mesh.devices.flat[0])
     cost = job_clock.measured_cost() if topology is None else job_clock.estimated_cost(chip)
@@ -75,13 +73,11 @@ def predict_job(
     return job_clock.predict(engine.runner, jobs, cost, step_tokens=step_tokens, chips=plan.mesh.size, price=price)
 
 
-def _given(**values) -> dict:
-    """The values that are not None."""
-    return {k: v for k, v in values.items() if v is not None}
-
-
-def _target(model, topology, dtype, stored_as):
-    """`compile_for`'s arguments resolved: the model's config (as restored) and the target's devices and name."""
+def _target(model, topology, dtype, stored_as, quantize, options, engine_options):
+    """`compile_for`'s arguments resolved: the model's config (as restored), the target's devices and name, and the
+    engine's options (`quantize` among them where given)."""
+    given = engine_options | ({"quantize": quantize} if quantize is not None else {})
+    options = dataclasses.replace(options or EngineOptions(), **given)
     from jaxllama.core.shapes import SHAPES, known_shape
     from jaxllama.default_model import resolve_model
     from jaxllama.engine import aot
@@ -100,4 +96,4 @@ def _target(model, topology, dtype, stored_as):
     if stored_as is not None:
         config = aot.quantized(config, stored_as)
     devices, target = aot.target_devices(topology)
-    return config, devices, target
+    return config, devices, target, options

@@ -14,7 +14,7 @@ scales, whose positions' axis is the same): the functions here map over both.
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -93,19 +93,15 @@ def allocate(config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype, la
     return [(make[0](), make[1]()) for _ in range(config.n_layers)]
 
 
-_abstract = abstract  # the function, which `Allocation`'s argument of that name hides
-
-
 class Allocation:
-    """The slots' cache (`allocate`'s arguments) as `result()` gives it, once: in one process allocated on a thread
-    from the start, so that the first touch of its pages (on a CPU, ~1 s a GB) overlaps the host's work up to the
-    first prefill, which loads its programs meanwhile; across processes when first asked for; `abstract`: its
-    ShapeDtypeStructs."""
+    """The slots' cache that `make` makes (`allocate`, or `abstract`'s ShapeDtypeStructs), as `result()` gives it:
+    with `on_thread`, in one process, allocated on a thread from the start, so that the first touch of its pages (on
+    a CPU, ~1 s a GB) overlaps the host's work up to the first prefill, which loads its programs meanwhile;
+    otherwise when first asked for."""
 
-    def __init__(self, config: ModelConfig, mesh: Mesh, slots: int, length: int, dtype, layout, abstract: bool):
-        shape = (config, mesh, slots, length, dtype, layout)
-        self._make = functools.partial(_abstract if abstract else allocate, *shape)
-        self._future = _ALLOCATOR.submit(self._make) if not abstract and jax.process_count() == 1 else None
+    def __init__(self, make: Callable[[], KVCache], on_thread: bool):
+        self._make = make
+        self._future = _ALLOCATOR.submit(make) if on_thread and jax.process_count() == 1 else None
 
     def result(self) -> KVCache:
         return self._future.result() if self._future is not None else self._make()

@@ -96,7 +96,10 @@ class ModelRunner:
         self._state = None
         length = max_context if self.pages else buckets.bucket(options.min_cache, max_context)  # a pool never resizes
         self._cache = None
-        self._allocation = kvcache.Allocation(config, mesh, slots, length, cache_dtype, self.layout, abstract)
+        make = kvcache.abstract if abstract else kvcache.allocate
+        self._allocation = kvcache.Allocation(
+            functools.partial(make, config, mesh, slots, length, cache_dtype, self.layout), on_thread=not abstract
+        )
 
     # ---- the interface ----------------------------------------------------------------------------
 

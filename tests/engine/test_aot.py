@@ -167,7 +167,7 @@ def test_compile_takes_quantize_as_run_does_and_the_stored_blocks_apart():
         LLM.compile_for("smollm2-135m", quantize="w8a8")
     with pytest.raises(ValueError, match="stored_as='w8a8'"):
         LLM.compile_for("smollm2-135m", stored_as="w8a8")
-    config = targets._target("llama-3.1-8b", None, None, "q4_0")[0]
+    config = targets._target("llama-3.1-8b", None, None, "q4_0", None, None, {})[0]
     assert dict(config.stored_as)["layers_0/attention/wq"] == "q4_0" and "embedding" not in dict(config.stored_as)
 
 
