@@ -33,8 +33,8 @@ def _round(engine, budget: int, running: tuple[int, int], arriving: tuple[int, i
     -> its figures."""
     rng = np.random.default_rng(seed)
     vocab = engine.config.vocab_size
-    engine.scheduler.step_tokens = budget
-    engine.scheduler.prefixes.truncate(0)  # nothing cached from the last round
+    engine.step_tokens = budget
+    engine.prefixes.truncate(0)  # nothing cached from the last round
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     short = [Request(f"run{i}", rng.integers(3, vocab, running[1]).tolist(), greedy) for i in range(running[0])]
     first_tokens = SamplingParams(max_tokens=8, temperature=0.0)

@@ -101,7 +101,7 @@ def main(
     compiles = dict(timed.compiles)
     timed.times.clear()
     timed.calls.clear()
-    engine.scheduler.prefixes.truncate(0)  # the timed run computes every prompt, as a fresh process would
+    engine.prefixes.truncate(0)  # the timed run computes every prompt, as a fresh process would
     start = time.perf_counter()
     for _ in engine.generate(job_requests()):
         pass

@@ -22,7 +22,16 @@ import sys
 import fire
 
 from jaxllama import cli_flags
-from jaxllama.cli_flags import EngineFlags, Group, ModelFlags, SamplingFlags, as_list, command
+from jaxllama.cli_flags import (
+    EngineFlags,
+    Group,
+    HostFlags,
+    ModelFlags,
+    ReplicaFlags,
+    SamplingFlags,
+    as_list,
+    command,
+)
 from jaxllama.errors import ModelTooLarge
 
 log = logging.getLogger("jaxllama.cli")  # not __name__: run as a program, that is __main__
@@ -56,15 +65,15 @@ def _load(flags: ModelFlags, options, *, quiet=False):
     return llm
 
 
-def _replica_spec(ray, replicas, processes, coordinator, flags: ModelFlags, options):
+def _replica_spec(replicas: ReplicaFlags, hosts: HostFlags, flags: ModelFlags, options):
     """What each replica of a `--ray` job loads; the flags checked, and Ray's presence, before anything starts."""
     from jaxllama.core.config import check_dtype
     from jaxllama.ray import ReplicaSpec, import_ray
 
-    for name, value in (("--replicas", replicas), ("--replica-processes", processes)):
+    for name, value in (("--replicas", replicas.replicas), ("--replica-processes", replicas.replica_processes)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             _fail(f"{name} {value!r}: must be a whole number of at least 1")
-    if coordinator is not None:
+    if hosts.coordinator is not None:
         _fail(
             "--ray and --coordinator: Ray forms each replica's group itself; for a replica over several hosts, "
             "--replica-processes N"
@@ -81,7 +90,7 @@ def _replica_spec(ray, replicas, processes, coordinator, flags: ModelFlags, opti
         dtype=flags.dtype,
         chat_template=flags.chat_template,
         eos_ids=tuple(flags.eos_ids),
-        processes=processes,
+        processes=replicas.replica_processes,
     )
 
 
@@ -115,7 +124,7 @@ def _warn_if_cpu_mesh(llm) -> None:
         )
 
 
-@command(model=ModelFlags, engine=EngineFlags, sampling=SamplingFlags)
+@command(model=ModelFlags, engine=EngineFlags, sampling=SamplingFlags, hosts=HostFlags, replicas=ReplicaFlags)
 def run(
     job: str,
     *,
@@ -127,12 +136,8 @@ def run(
     no_retry_errors: bool = False,
     stats_file: str | None = None,
     quiet: bool = False,
-    coordinator: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    ray: str | None = None,
-    replicas: int = 1,
-    replica_processes: int = 1,
+    hosts: HostFlags,
+    replicas: ReplicaFlags,
 ):
     """Run a JSONL job: one request per line (chat "messages", plain "prompt", or OpenAI Batch API lines).
 
@@ -151,16 +156,6 @@ def run(
       no_retry_errors: on resume, keep the error records of failed lines instead of running them again.
       stats_file: also write the summary statistics as JSON here.
       quiet: no progress or summary on stderr.
-      coordinator: multi-host: HOST:PORT of process 0 (or JAX_COORDINATOR_ADDRESS).
-      num_processes: multi-host: number of processes (or JAX_NUM_PROCESSES).
-      process_id: multi-host: this process's index (or JAX_PROCESS_ID).
-      ray: run the job as independent replicas on a Ray cluster: "local" (one started on this host), "auto" (the
-        cluster this host is in) or its ADDRESS; this process reads and writes, the replicas answer (needs the
-        extra: pip install -e '.[ray]').
-      replicas: with --ray, the engines answering the job, each over its share of the cluster's devices (--mesh:
-        each replica's).
-      replica_processes: with --ray, each replica's processes (one a host, e.g. 4 for a v5e-16), one jax.distributed
-        group over their devices; the cluster's devices are shared among replicas x processes.
     """
     from pathlib import Path
 
@@ -172,41 +167,38 @@ def run(
     job_path = Path(job)
     if not job_path.is_file():
         _fail(f"{job}: no such job file")
+    on_ray = replicas.address is not None
     try:
         defaults, settings, engine_options = _job_settings(job_path, model, sampling, engine)
         out_path = Path(output) if output else default_output(job_path)
-        if ray is not None:
-            spec = _replica_spec(ray, replicas, replica_processes, coordinator, model, engine_options)
-            lock = OutputLock(out_path).acquire()
-            if not overwrite:
-                check_settings(out_path, settings)
+        if on_ray:
+            spec = _replica_spec(replicas, hosts, model, engine_options)
         else:
-            initialize_distributed(coordinator, num_processes, process_id)
-            # Before the model loads, held until the process ends: one writer per output (process 0 writes it).
-            lock = OutputLock(out_path).acquire() if is_main_process() else None
-            if not overwrite:  # before the model loads: a resume with other settings is refused at once
-                check_settings(out_path, settings)
-            quiet_here = quiet or (process_id or int(os.environ.get("JAX_PROCESS_ID", 0))) != 0
-            llm = _load(model, engine_options, quiet=quiet_here)
+            initialize_distributed(hosts.coordinator, hosts.num_processes, hosts.process_id)
+        main = on_ray or is_main_process()  # process 0 of a multi-host run writes the output
+        # Before the model loads, held until the process ends: one writer per output.
+        lock = OutputLock(out_path).acquire() if main else None
+        if not overwrite:  # before the model loads: a resume with other settings is refused at once
+            check_settings(out_path, settings)
+        if not on_ray:
+            llm = _load(model, engine_options, quiet=quiet or hosts.this_process != 0)
     except LOAD_ERRORS as e:
         _fail(str(e))
-    main = ray is not None or is_main_process()
+    options = JobOptions(
+        defaults=defaults,
+        stop=tuple(sampling.stops),
+        system_prompt=sampling.system_prompt,
+        overwrite=overwrite,
+        write=main,
+        retry_errors=not no_retry_errors,
+        settings=settings,
+        quiet=quiet or not main,
+    )
     try:
-        options = JobOptions(
-            defaults=defaults,
-            stop=tuple(sampling.stops),
-            system_prompt=sampling.system_prompt,
-            overwrite=overwrite,
-            write=main,
-            retry_errors=not no_retry_errors,
-            settings=settings,
-            quiet=quiet or not main,
-        )
-        if ray is not None:
+        if on_ray:
             from jaxllama.ray import run_job_on_ray
 
-            address = "local" if ray is True else str(ray)
-            stats, summary = run_job_on_ray(job_path, out_path, options, spec, replicas, address)
+            stats, summary = run_job_on_ray(job_path, out_path, options, spec, replicas.replicas, replicas.address)
         else:
             stats, summary = run_job(llm, job_path, Path(output) if output else None, options)
     except (OSError, SettingsChanged) as e:
@@ -215,7 +207,7 @@ def run(
         print(f"interrupted: {e}", file=sys.stderr)
         sys.exit(INTERRUPTED)
     if main:
-        _report_job(summary, output or default_output(job_path), stats_file, quiet)
+        _report_job(summary, out_path, stats_file, quiet)
     if lock is not None:
         lock.release()
     if stats.has_errors:
@@ -496,12 +488,6 @@ METAVARS = cli_flags.shared("metavar") | {
     "path": "CKPT",
     "output": "OUT.jsonl",
     "stats_file": "stats.json",
-    "coordinator": "HOST:PORT",
-    "num_processes": "N",
-    "process_id": "I",
-    "ray": "local|auto|ADDRESS",
-    "replicas": "N",
-    "replica_processes": "K",
     "served_model_name": "NAME",
     "topology": "v5e:2x4",
     "stored_as": "q8_0|q4_0",

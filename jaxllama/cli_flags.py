@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 from collections.abc import Callable, Mapping, Sequence
 
 from jaxllama.engine.buckets import DEFAULT_SLOTS
@@ -130,6 +131,52 @@ class SamplingFlags:
 
 
 @dataclasses.dataclass(frozen=True)
+class HostFlags:
+    """A run over several hosts as one jax.distributed group (each flag or its JAX_* environment variable)."""
+
+    coordinator: str | None = flag(
+        None, "multi-host: HOST:PORT of process 0 (or JAX_COORDINATOR_ADDRESS).", "HOST:PORT"
+    )
+    num_processes: int | None = flag(None, "multi-host: number of processes (or JAX_NUM_PROCESSES).", "N")
+    process_id: int | None = flag(None, "multi-host: this process's index (or JAX_PROCESS_ID).", "I")
+
+    @property
+    def this_process(self) -> int:
+        """This process's index in the group (0 where it runs alone)."""
+        return self.process_id if self.process_id is not None else int(os.environ.get("JAX_PROCESS_ID", 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaFlags:
+    """A job answered by independent replicas on a Ray cluster (`jaxllama/ray.py`)."""
+
+    ray: str | None = flag(
+        None,
+        'run the job as independent replicas on a Ray cluster: "local" (one started on this host), "auto" (the '
+        "cluster this host is in) or its ADDRESS; this process reads and writes, the replicas answer (needs the "
+        "extra: pip install -e '.[ray]').",
+        "local|auto|ADDRESS",
+    )
+    replicas: int = flag(
+        1,
+        "with --ray, the engines answering the job, each over its share of the cluster's devices (--mesh: each "
+        "replica's).",
+        "N",
+    )
+    replica_processes: int = flag(
+        1,
+        "with --ray, each replica's processes (one a host, e.g. 4 for a v5e-16), one jax.distributed group over "
+        "their devices; the cluster's devices are shared among replicas x processes.",
+        "K",
+    )
+
+    @property
+    def address(self) -> str | None:
+        """The cluster's address (--ray alone: "local"), or None without --ray."""
+        return None if self.ray is None else "local" if self.ray is True else str(self.ray)
+
+
+@dataclasses.dataclass(frozen=True)
 class Group:
     """A command's use of a group of flags: the group, the flags it leaves out, and other defaults."""
 
@@ -150,7 +197,7 @@ class Group:
         return self.flags(**values)
 
 
-GROUPS = (ModelFlags, EngineFlags, SamplingFlags)
+GROUPS = (ModelFlags, EngineFlags, SamplingFlags, HostFlags, ReplicaFlags)
 
 
 def command(**groups: Group | type) -> Callable:

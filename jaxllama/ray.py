@@ -283,11 +283,7 @@ def run_job_on_ray(
     raises, and RuntimeError when every replica is lost."""
     processes = replicas * spec.processes
     ray = connect(address, num_cpus=max(os.cpu_count() or 1, processes))  # a local cluster: a core a process at least
-    if spec.processes == 1:
-        block = block_lines or max(1, spec.options.max_slots // BLOCK_OF_SLOTS)
-        in_flight = -(-spec.options.max_slots // block) + 1
-    else:  # blocks answered whole, one after another: a block fills the slots, the next one waits its turn
-        block, in_flight = block_lines or spec.options.max_slots, 2
+    block, in_flight = _blocks(spec, block_lines)
     actor_class = ray.remote(max_restarts=0, max_concurrency=in_flight + 1)(replica_class)
     seats: list[_Seat] = []
     start, loaded = time.perf_counter(), []
@@ -316,7 +312,26 @@ def run_job_on_ray(
         _drive(ray, _Feed(lines, Dispatcher(block), replicas * in_flight), seats, tally, restart, in_flight)
 
     stats = answer_job(job, output, options, answer, agree=False)
-    wall = time.perf_counter() - start
+    out = _summary(ray, stats, seats, time.perf_counter() - start)
+    out["replicas_loaded_s"] = round(loaded[0], 3) if loaded else 0.0  # of wall_s: starting the replicas
+    for seat in seats:
+        _stop(ray, seat)
+    return stats, out
+
+
+def _blocks(spec: ReplicaSpec, block_lines: int | None) -> tuple[int, int]:
+    """(lines a block, blocks in flight at a replica): blocks of an eighth of its slots (or `block_lines`), enough
+    in flight to keep them full; a replica over several processes answers a block whole, one after another: a block
+    fills the slots, the next one waits its turn."""
+    if spec.processes == 1:
+        block = block_lines or max(1, spec.options.max_slots // BLOCK_OF_SLOTS)
+        return block, -(-spec.options.max_slots // block) + 1
+    return block_lines or spec.options.max_slots, 2
+
+
+def _summary(ray, stats: JobStats, seats: list[_Seat], wall: float) -> dict:
+    """`run_job`'s summary of the job, its engine figures summed over the replicas still answering, with each
+    replica's own figures under "replicas"."""
     engines, slots = EngineStats(), 0
     for seat in seats:
         if seat.dead:
@@ -327,13 +342,7 @@ def run_job_on_ray(
             continue
         engines = EngineStats(**{f.name: getattr(engines, f.name) + getattr(e, f.name) for f in dataclasses.fields(e)})
         slots += n
-    out = job_summary(stats, engines, slots)
-    out["hosts"] = []
-    out["replicas_loaded_s"] = round(loaded[0], 3) if loaded else 0.0  # of wall_s: starting the replicas
-    out["replicas"] = [seat.figures(wall) for seat in seats]
-    for seat in seats:
-        _stop(ray, seat)
-    return stats, out
+    return job_summary(stats, engines, slots) | {"hosts": [], "replicas": [seat.figures(wall) for seat in seats]}
 
 
 class _Feed:

@@ -31,7 +31,7 @@ def pytest_configure(config):
 # stays quick as tests change.
 QUICK = (
     "tests/text/",
-    "tests/test_protocol.py",
+    "tests/protocol/",
     "tests/test_cli.py",
     "tests/test_benchmarks.py",
     "tests/test_engine_loop.py",

@@ -17,6 +17,7 @@ lanes would cost a relayout.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,11 +63,36 @@ def paged_attention(q, pool_k: Int8KV, pool_v: Int8KV, lengths, pages, *, pages_
     return out.reshape(b, heads, hd)
 
 
-def _attend(
-    lengths_ref, pages_ref, q_ref, k_hbm, ks_hbm, v_hbm, vs_hbm, o_ref, k_buf, ks_buf, v_buf, vs_buf, k_sems, v_sems,
-    slot_ref, *, pages_per_block, pages_per_row,
-):  # fmt: skip
-    """One row's attention with one KV head's query group (q_ref, o_ref [groups, hd]), over its blocks of pages."""
+class _Cache(NamedTuple):
+    """One side of the cache (keys or values) as a kernel step sees it: the int8 pool and its scales in HBM, their
+    double buffers in VMEM ([2, pages_per_block, ...]: a block computed while the next is fetched), and the DMA
+    semaphores of the two buffers."""
+
+    pool: object
+    scales: object
+    pool_buf: object
+    scales_buf: object
+    sems: object
+
+    def copies(self, head, pages, slot) -> list:
+        """The DMAs of `pages` (one block of a row's) and their scales into buffer `slot`."""
+        return [
+            pltpu.make_async_copy(src.at[head, page], dst.at[slot, j], self.sems.at[slot])
+            for j, page in enumerate(pages)
+            for src, dst in ((self.pool, self.pool_buf), (self.scales, self.scales_buf))
+        ]
+
+    def page(self, slot, j):
+        """Page j of buffer `slot`, widened ([page_size, hd] float32), and its scales as a row ([1, page_size])."""
+        return self.pool_buf[slot, j].astype(jnp.float32), self.scales_buf[slot, pl.ds(j, 1), :]
+
+
+def _attend(lengths_ref, pages_ref, q_ref, *refs, pages_per_block, pages_per_row):
+    """One row's attention with one KV head's query group (q_ref, o_ref [groups, hd]), over its blocks of pages.
+    `refs`: the pools and their scales in HBM (keys', values'), the output, then the scratch: the double buffers
+    (keys', values'), their DMA semaphores, and which of the two buffers holds this block (`slot_ref`)."""
+    k_hbm, ks_hbm, v_hbm, vs_hbm, o_ref, k_buf, ks_buf, v_buf, vs_buf, k_sems, v_sems, slot_ref = refs
+    keys, values = _Cache(k_hbm, ks_hbm, k_buf, ks_buf, k_sems), _Cache(v_hbm, vs_hbm, v_buf, vs_buf, v_sems)
     row, head = pl.program_id(0), pl.program_id(1)
     last_row, last_head = pl.num_programs(0) - 1, pl.num_programs(1) - 1
     page_size = k_hbm.shape[2]
@@ -74,21 +100,13 @@ def _attend(
     length = lengths_ref[row]
 
     def copies(row, head, block, slot):
-        """The DMAs of one block of a row's pages (keys and their scales, values and theirs) into buffer `slot`."""
+        """The DMAs of one block of a row's pages: keys' and values'."""
         first = row * pages_per_row + block * pages_per_block
         pages = [pages_ref[first + j] for j in range(pages_per_block)]
-
-        def of(sems, *arrays):
-            return [
-                pltpu.make_async_copy(src.at[head, page], dst.at[slot, j], sems.at[slot])
-                for j, page in enumerate(pages)
-                for src, dst in arrays
-            ]
-
-        return of(k_sems, (k_hbm, k_buf), (ks_hbm, ks_buf)), of(v_sems, (v_hbm, v_buf), (vs_hbm, vs_buf))
+        return keys.copies(head, pages, slot) + values.copies(head, pages, slot)
 
     def start(row, head, block, slot):
-        for copy in sum(copies(row, head, block, slot), []):
+        for copy in copies(row, head, block, slot):
             copy.start()
 
     @pl.when((row == 0) & (head == 0))
@@ -113,13 +131,11 @@ def _attend(
             next_head = jnp.where(head < last_head, head + 1, 0)
             start(jnp.where(head < last_head, row, row + 1), next_head, 0, other)
 
-        keys, values = copies(row, head, i, slot)
-        for copy in keys:
-            copy.wait()
-        for copy in values:
+        for copy in copies(row, head, i, slot):
             copy.wait()
         for j in range(pages_per_block):
-            carry = _page(q, k_buf, ks_buf, v_buf, vs_buf, slot, j, i * span + j * page_size, length, carry)
+            page = keys.page(slot, j), values.page(slot, j)
+            carry = _page(q, page, i * span + j * page_size, length, carry)
         slot_ref[0] = other
         return carry
 
@@ -129,18 +145,18 @@ def _attend(
     o_ref[...] = (acc / total).astype(o_ref.dtype)
 
 
-def _page(q, k_buf, ks_buf, v_buf, vs_buf, slot, j, start, length, carry):
-    """The running softmax (max, total, weighted values) carried over one page of positions from `start`."""
+def _page(q, page, start, length, carry):
+    """The running softmax (max, total, weighted values) carried over one page of positions from `start`: `page`,
+    its keys and values ([page_size, hd] float32) each with their scales ([1, page_size])."""
+    (keys, key_scales), (values, value_scales) = page
     peak, total, acc = carry
-    keys = k_buf[slot, j].astype(jnp.float32)  # [page_size, hd]
-    scores = jnp.einsum("gd,td->gt", q, keys, preferred_element_type=jnp.float32) * ks_buf[slot, pl.ds(j, 1), :]
+    scores = jnp.einsum("gd,td->gt", q, keys, preferred_element_type=jnp.float32) * key_scales
     positions = start + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
     scores = jnp.where(positions < length, scores, MASKED)
     new_peak = jnp.maximum(peak, scores.max(axis=-1, keepdims=True))
     p = jnp.exp(scores - new_peak)
     kept = jnp.exp(peak - new_peak)
     total = kept * total + p.sum(axis=-1, keepdims=True)
-    weighted = p * vs_buf[slot, pl.ds(j, 1), :]
-    values = v_buf[slot, j].astype(jnp.float32)
+    weighted = p * value_scales
     acc = kept * acc + jnp.einsum("gt,td->gd", weighted, values, preferred_element_type=jnp.float32)
     return new_peak, total, acc

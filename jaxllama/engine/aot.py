@@ -429,7 +429,7 @@ def abstract_engine(
     run."""
     plan = plan_load(config, devices, mesh, options, abstract=True)
     params = as_blocks(abstract_stored(plan.config, plan.mesh), plan.config)
-    return Engine.planned(plan, params, eos_ids=[0], abstract=True), plan
+    return Engine.planned(plan, params, eos_ids=[0]), plan
 
 
 def _kernels(calls: Sequence[Compiled]) -> set[str]:

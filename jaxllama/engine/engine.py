@@ -1,7 +1,8 @@
-"""`Engine`: a scheduler (`scheduler.py`, plain Python: which requests hold which slots, when to prefill and when to
-decode) driving a model runner (`model_runner.py`, the model's programs on a mesh), on a `LoadPlan`
-(`load_plan.py`: the mesh, the backend and the options with every choice made, the context fitted to memory), which
-the engine decides nothing of again. Given weights without a plan, it has one made for them (`plan_engine`).
+"""`Engine`: the scheduler (`scheduler.py`, plain Python: which requests hold which slots, when to prefill and when to
+decode) over the model runner (`model_runner.py`, the model's programs on a mesh) that it builds for its weights on a
+`LoadPlan` (`load_plan.py`: the mesh, the backend and the options with every choice made, the context fitted to
+memory), which the engine decides nothing of again. Given weights without a plan, it has one made for them
+(`plan_engine`).
 
     engine = Engine(config, params, mesh, EngineOptions(max_slots=8), eos_ids=[2])
     for update in engine.generate([Request("a", prompt_ids, SamplingParams(max_tokens=16))]):
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from jax.sharding import Mesh
 
@@ -23,21 +24,20 @@ from jaxllama.engine import load_plan
 from jaxllama.engine.load_plan import LoadPlan
 from jaxllama.engine.model_runner import ModelRunner
 from jaxllama.engine.options import EngineOptions
-from jaxllama.engine.request import FinishReason, Request, Update
 from jaxllama.engine.scheduler import Scheduler
 
 
-class Engine:
-    """Generates for many requests at once on a mesh. Not thread-safe: one thread drives `step()`.
+class Engine(Scheduler):
+    """Generates for many requests at once on a mesh: a `Scheduler` (`add`, `step`, `finish`, `generate`, ...) over
+    the `ModelRunner` made for `params` on a plan. Not thread-safe: one thread drives `step()`.
 
     `options` (`EngineOptions`; keyword fields given here replace its own) size and run it. The weights the engine
     runs are `self.params`: `params` prepared for the backend's products (packed or quantized for the CPU kernels);
     `donate_params`: the engine may free the given weights that preparing replaced (the caller will not use them
     again). `ops`: the backend, where the caller chose it already (`backends.choose`; `options.cpu_kernels` and
-    `options.quantize` then say nothing). `abstract`: `params` are ShapeDtypeStructs with shardings and the engine
-    only compiles its programs for the mesh's devices, which may be unable to run them (`engine/aot.py`). `plan`:
-    the `LoadPlan` made for these weights (`Engine.planned`), from which its config, mesh, backend and options come
-    (the other arguments then say nothing)."""
+    `options.quantize` then say nothing). `plan`: the `LoadPlan` made for these weights (`Engine.planned`), from
+    which its config, mesh, backend and options come (the other arguments then say nothing); an abstract plan's
+    engine only compiles its programs (`engine/aot.py`)."""
 
     def __init__(
         self,
@@ -49,7 +49,6 @@ class Engine:
         eos_ids: Iterable[int] = (),
         ops: Ops | None = None,
         donate_params: bool = False,
-        abstract: bool = False,
         plan: LoadPlan | None = None,
         **fields,
     ):
@@ -57,7 +56,7 @@ class Engine:
         if plan is None:
             options = dataclasses.replace(options or EngineOptions(), **fields)
             activations = activation_dtype(params["embedding"])  # a backend keeps the embedding for lookups
-            plan = load_plan.plan_engine(config, mesh, options, ops, activations, abstract=abstract)
+            plan = load_plan.plan_engine(config, mesh, options, ops, activations)
         kernels_s = time.perf_counter() - start
         self.config, self.mesh, self.ops, self.options, self.plan = plan.config, plan.mesh, plan.ops, plan.options, plan
         eos_ids = sorted(set(int(i) for i in eos_ids))
@@ -69,49 +68,13 @@ class Engine:
             ops=self.ops,
             eos_ids=eos_ids,
             donate_params=donate_params,
-            abstract=abstract,
+            abstract=plan.abstract,
         )
-        stats = runner.stats
-        stats.compile_s += kernels_s
-        self.runner, self.stats, self.params = runner, stats, runner.params
-        self.scheduler = Scheduler(runner, stats, self.options.step_tokens)
+        runner.stats.compile_s += kernels_s
+        self.params = runner.params
+        super().__init__(runner, runner.stats, self.options.step_tokens)
 
     @classmethod
     def planned(cls, plan: LoadPlan, params, **kwargs) -> Engine:
         """An engine on the plan `load_plan` made for `params` (its config, mesh, backend and options)."""
         return cls(plan.config, params, plan.mesh, plan=plan, **kwargs)
-
-    # ---- the scheduler's interface ------------------------------------------------------------------
-
-    @property
-    def slots(self) -> int:
-        return self.runner.slots
-
-    @property
-    def max_context(self) -> int:
-        return self.runner.max_context
-
-    def check(self, request: Request) -> None:
-        self.scheduler.check(request)
-
-    def add(self, request: Request) -> None:
-        self.scheduler.add(request)
-
-    def finish(self, request_id, reason: FinishReason = "cancelled", stop_reason: str | None = None) -> None:
-        self.scheduler.finish(request_id, reason, stop_reason)
-
-    def is_waiting(self, request_id) -> bool:
-        return self.scheduler.is_waiting(request_id)
-
-    @property
-    def running(self) -> int:
-        return self.scheduler.running
-
-    def has_work(self) -> bool:
-        return self.scheduler.has_work()
-
-    def step(self) -> list[Update]:
-        return self.scheduler.step()
-
-    def generate(self, requests: Iterable[Request]) -> Iterator[Update]:
-        return self.scheduler.generate(requests)

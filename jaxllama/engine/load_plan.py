@@ -38,13 +38,15 @@ class LoadPlan:
     """A model's mesh, backend and engine options with every choice made (`EngineOptions.resolved`: slots, context,
     decode steps, the KV cache's dtype and page size). `config`: the model as it runs on the mesh (its KV heads
     repeated where the model axis asks, `core/kv_groups.py`); `memory`: the memory plan's figures (its footprint
-    per device, or on a CPU the host's)."""
+    per device, or on a CPU the host's); `abstract`: the weights are never restored, and an engine on the plan only
+    compiles its programs for the mesh's devices, which may be unable to run them (`aot.py`)."""
 
     config: ModelConfig
     mesh: Mesh
     ops: Ops
     options: EngineOptions
     memory: memory.Plan
+    abstract: bool = False
 
     @property
     def cache_dtype(self) -> jnp.dtype:
@@ -80,16 +82,14 @@ def plan_load(
         if options.max_context is None and where.context < config.max_seq_len:
             message = "context: %d positions (what fits beside the weights; the model's is %d)"
             log.info(message, where.context, config.max_seq_len)
-        return plan
+        return dataclasses.replace(plan, abstract=abstract)
     if abstract:
-        return plan
+        return dataclasses.replace(plan, abstract=True)
     weights, restoring = memory.host_weights(config, ops, form, plan.mesh, stored=stored)
     return _fit_host(plan, options.max_context is not None, weights=weights, restoring=restoring)
 
 
-def plan_engine(
-    config: ModelConfig, mesh: Mesh, options: EngineOptions, ops: Ops | None, activations, *, abstract: bool
-) -> LoadPlan:
+def plan_engine(config: ModelConfig, mesh: Mesh, options: EngineOptions, ops: Ops | None, activations) -> LoadPlan:
     """The plan of an engine built on weights already on `mesh`, of `config` as they are, computing in `activations`:
     the backend `ops` where the caller chose it. On a CPU the cache must fit beside the weights in the host's memory
     (a context chosen here leaves memory.OVERHEAD free for the programs; one asked for is refused only where the
@@ -101,7 +101,7 @@ def plan_engine(
         form = form if form in FORMATS else activations  # the dtype the weights compute in, as they are
         ops = backends.choose(mesh, form, kernel_dir(), cpu_kernels=options.cpu_kernels, quantize=options.quantize)
     plan = _resolved(config, where, ops, options, activations)
-    if mesh.devices.flat[0].platform != "cpu" or abstract:
+    if mesh.devices.flat[0].platform != "cpu":
         return plan
     chosen = options.max_context is not None
     return _fit_host(plan, chosen, overhead=0 if chosen else memory.OVERHEAD)

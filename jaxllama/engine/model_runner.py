@@ -229,7 +229,8 @@ class ModelRunner:
         keep = _keep(self.slots, cancelled)
         x_decode = self._call("prefill_last", step.packed_last, (x, inputs["decode_at"]))
         mask = self._column_masks(decode_masks, columns)
-        decoded = self._decode_outputs(flags, self.arrays.put(keep), x_decode, inputs["decode_slots"], mask)
+        decoding = step.StepRows(self.arrays.put(keep), inputs["decode_slots"], mask)
+        self.state, decoded = self._decode_outputs(self.state, x_decode, decoding, flags)
         started = self._start(rows, batch, inputs, x, prompt, masks)
         if self.abstract:
             return None
@@ -250,7 +251,7 @@ class ModelRunner:
         x_prompt, x_decode, self.cache = self.layers.mixed(self.state, inputs, batch, decode_slots, pages, self.cache)
         prompt_logprobs = self.layers.prompt_logprobs(x_prompt, rows, batch, inputs) if batch.prompt_logprobs else None
         mask = self._column_masks(decode_masks, columns)
-        decoded = self._decode_outputs(flags, keep, x_decode, decode_slots, mask)
+        self.state, decoded = self._decode_outputs(self.state, x_decode, step.StepRows(keep, decode_slots, mask), flags)
         started = self._start(rows, batch, inputs, x_prompt, prompt_logprobs, masks)
         if self.abstract:
             return None
@@ -302,25 +303,34 @@ class ModelRunner:
         `masks`: one step only, drawing each column's token among those its bitmask allows; it gives them,
         [columns, ceil(vocab / 32)] int32, and is called while the device runs the step's layers."""
         flags = dataclasses.replace(SamplerFlags.of(params), mask=masks is not None)
-        keep = _keep(self.slots, cancelled)
         every = len(columns) == self.slots
         slots, keep, kept = self.arrays.put(
-            (None if every else np.array(columns, np.int32), keep, np.ones(self.slots, bool))
+            (None if every else np.array(columns, np.int32), _keep(self.slots, cancelled), np.ones(self.slots, bool))
         )
-        if self.pages:
-            table = self.arrays.put(self.pages.decode_table(columns, self.max_context))
-        inputs_fn = functools.partial(step.decode_inputs, config=self.config)
-        steps = []
+        pages = self.arrays.put(self.pages.decode_table(columns, self.max_context)) if self.pages else None
+        rows = step.StepRows(keep, slots)
+        state, cache, steps = self.state, self.cache, []
         for _ in range(1 if masks else self.decode_steps):  # no host round trip between steps
-            x, at = self._call("decode_inputs", inputs_fn, (self._outer, self.state, slots))
-            at = at if not self.pages else dataclasses.replace(at, pages=table)
-            x, self.cache = self.layers.run("decode_layers", x, at, self.cache)
-            mask = self._column_masks(masks, columns)
-            steps.append(self._decode_outputs(flags, keep, x, slots, mask))
-            keep = kept  # cancellations apply at the first step
+            mask = (lambda: self._column_masks(masks, columns)) if masks else None
+            state, cache, out = self.decode_step(state, cache, rows, flags, pages, mask)
+            steps.append(out)
+            rows = step.StepRows(kept, slots)  # cancellations apply at the first step
+        self.state, self.cache = state, cache
         if self.abstract:
             return None
         return _sampled(steps, flags)
+
+    def decode_step(self, state, cache, rows: step.StepRows, flags: SamplerFlags, pages=None, mask=None):
+        """One decode step: the next token of each of `rows` embedded, the layers run over the slots' cache (`pages`:
+        the rows' page tables, over a paged cache), a token sampled per row and the rows advanced. The decode state
+        and the cache in, and out: -> (state, cache, outputs on the device: `step.decode_outputs`'). `mask`: gives
+        the rows' token bitmasks on the device, asked for once the layers are dispatched."""
+        inputs = functools.partial(step.decode_inputs, config=self.config)
+        x, at = self._call("decode_inputs", inputs, (self._outer, state, rows.slots))
+        x, cache = self.layers.run("decode_layers", x, dataclasses.replace(at, pages=pages), cache)
+        rows = dataclasses.replace(rows, mask=mask()) if mask else rows
+        state, out = self._decode_outputs(state, x, rows, flags)
+        return state, cache, out
 
     def _column_masks(self, masks: Callable[[], np.ndarray] | None, columns: Sequence[int]):
         """The decode columns' token bitmasks on the device (a padding column's: every token), or None without
@@ -329,13 +339,14 @@ class ModelRunner:
             return None
         return self.arrays.put(_padded_masks(masks(), np.full((len(columns), self.mask_words), -1, np.int32)))
 
-    def _decode_outputs(self, flags: SamplerFlags, keep, x, slots, mask=None) -> list:
-        """Sample a decode step's tokens from its last layer's output x and advance the slots (`step.decode_outputs`);
-        -> its outputs, on the device."""
+    def _decode_outputs(self, state, x, rows: step.StepRows, flags: SamplerFlags):
+        """Sample a decode step's tokens from its last layer's output x and advance the rows (`step.decode_outputs`);
+        -> (state, its outputs on the device)."""
         fn = functools.partial(step.decode_outputs, config=self.config, flags=flags, ops=self.ops)
-        args = (self._outer, self.state, keep, x, slots, mask)
-        self.state, *out = self._call("decode_outputs", fn, args, flags, 1, self._outputs_sharding(5))
-        return out
+        state, *out = self._call(
+            "decode_outputs", fn, (self._outer, state, x, rows), flags, 1, self._outputs_sharding(5)
+        )
+        return state, out
 
     def _call(self, kind: str, fn, args, static_key=None, donate: int | None = None, out=None):
         return self.programs(kind, fn, args, static_key, donate, self.arrays.activations if out is None else out)

@@ -99,33 +99,35 @@ def step_layers(layer_params, x, at: Placement, cache: KVCache, *, config: Model
     return layers(layer_params, config, x, at, cache, ops)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepRows:
+    """The rows a decode step's outputs are for. keep [s] bool: false cancels a slot first. slots [b] int32: the
+    slots the step ran (an index >= s pads), or None: every slot. mask [b, ceil(vocab / 32)] int32 (with
+    `SamplerFlags.mask`): the tokens each row may draw (`sampling.apply_mask`), or None."""
+
+    keep: jax.Array
+    slots: jax.Array | None = None
+    mask: jax.Array | None = None
+
+
 def decode_outputs(
-    params,
-    state: DecodeState,
-    keep,
-    x,
-    slots=None,
-    mask=None,
-    *,
-    config: ModelConfig,
-    flags: SamplerFlags,
-    ops: Ops = XLA,
+    params, state: DecodeState, x, rows: StepRows, *, config: ModelConfig, flags: SamplerFlags, ops: Ops = XLA
 ):
     """Finish a decode step from the last layer's output x [b, 1, dim]: sample a token per row and advance the
-    rows' state, checking end of generation. keep [s] bool: false cancels a slot first. mask [b, ceil(vocab / 32)]
-    int32 (with `flags.mask`): the tokens each row may draw (`sampling.apply_mask`).
+    rows' state, checking end of generation.
 
     Returns (state, tokens [b], logprobs [b], emitted [b] bool, finish [b]: FINISH codes, top: the rows'
-    `sampling.top_logprobs` with `flags.top`, else None), where b = s without `slots`.
+    `sampling.top_logprobs` with `flags.top`, else None), where b = s without `rows.slots`.
     """
-    state = dataclasses.replace(state, active=state.active & keep)
-    rows = state if slots is None else _gather(state, slots)
+    state = dataclasses.replace(state, active=state.active & rows.keep)
+    ran = state if rows.slots is None else _gather(state, rows.slots)
     logits = head(params, config, x[:, 0], ops=ops)
-    history = RowHistory(rows.step, rows.stop_ids, rows.counts, rows.seen)
-    tokens, logprobs, top = sample(logits, rows.rows, history, flags, ops, mask)
-    was_active = rows.active
-    rows, finish = _advance(rows, tokens, was_active, flags.penalize)
-    state = rows if slots is None else _scatter(state, rows, slots, flags.penalize)
+    history = RowHistory(ran.step, ran.stop_ids, ran.counts, ran.seen)
+    tokens, logprobs, top = sample(logits, ran.rows, history, flags, ops, rows.mask)
+    was_active = ran.active
+    ran, finish = _advance(ran, tokens, was_active, flags.penalize)
+    state = ran if rows.slots is None else _scatter(state, ran, rows.slots, flags.penalize)
     return state, tokens, logprobs, was_active, finish, top
 
 

@@ -8,12 +8,21 @@ from jaxllama.models.family import Declared, Family
 
 
 def layer(c: ModelConfig) -> dict[str, Declared]:
-    """One decoder layer's parameters. Weights are (out, in), as PyTorch's `Linear` and every source format store
-    them, with the heads split out of the attention matrices."""
-    norm = (c.dim,), ("norm",), "ones"
+    """One decoder layer's parameters: its attention block's, then its feed-forward block's. Weights are (out, in), as
+    PyTorch's `Linear` and every source format store them, with the heads split out of the attention matrices."""
+    return attention(c) | feed_forward(c)
+
+
+def attention(c: ModelConfig) -> dict[str, Declared]:
+    """The attention block's: its norm, the q, k, v projections (rotated by RoPE) and the output projection."""
     return {
         "attention_norm/scale": Declared(
-            *norm, hf="input_layernorm.weight", gguf="attn_norm.weight", meta="attention_norm.weight"
+            (c.dim,),
+            ("norm",),
+            "ones",
+            hf="input_layernorm.weight",
+            gguf="attn_norm.weight",
+            meta="attention_norm.weight",
         ),
         "attention/wq": Declared(
             (c.n_heads, c.head_dim, c.dim),
@@ -45,8 +54,19 @@ def layer(c: ModelConfig) -> dict[str, Declared]:
             gguf="attn_output.weight",
             meta="attention.wo.weight",
         ),
+    }
+
+
+def feed_forward(c: ModelConfig) -> dict[str, Declared]:
+    """The SwiGLU feed-forward block's: its norm, the gate (w1) and up (w3) projections and the down projection (w2)."""
+    return {
         "mlp_norm/scale": Declared(
-            *norm, hf="post_attention_layernorm.weight", gguf="ffn_norm.weight", meta="ffn_norm.weight"
+            (c.dim,),
+            ("norm",),
+            "ones",
+            hf="post_attention_layernorm.weight",
+            gguf="ffn_norm.weight",
+            meta="ffn_norm.weight",
         ),
         "mlp/w1": Declared(  # gate
             (c.ffn_dim, c.dim),

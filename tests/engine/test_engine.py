@@ -67,8 +67,8 @@ def test_few_active_slots_decode_alone(tiny, expected, spec, steps, layers):
     mesh = make_mesh(config, spec, jax.devices()[: 4 if "2" in spec else 1])
     engine = Engine(config, params, mesh, eos_ids=[EOS], max_slots=32, decode_steps=steps, layers_per_program=layers)
     sizes = []
-    decode_rows = engine.scheduler._decode_columns
-    engine.scheduler._decode_columns = lambda: sizes.append(len(rows := decode_rows())) or rows
+    decode_rows = engine._decode_columns
+    engine._decode_columns = lambda: sizes.append(len(rows := decode_rows())) or rows
     tokens, _ = run(engine, greedy_requests())
     assert tokens == expected
     data = mesh.shape["data"]

@@ -136,12 +136,12 @@ def test_a_prefix_is_read_from_the_pages_that_hold_it(tiny, dtype):
     fresh = token_logprobs(_paged(tiny, max_slots=4, kv_cache_dtype=dtype), greedy_request("b", second))
     engine = _paged(tiny, max_slots=4, kv_cache_dtype=dtype)
     token_logprobs(engine, greedy_request("a", first, 4))
-    source, start = engine.scheduler.prefixes.best(second)
+    source, start = engine.prefixes.best(second)
     assert start == 24  # the 30 shared tokens' whole pages
     pages = engine.runner.pages
     engine.add(greedy_request("long", first, 40))  # its slot busy: "b" takes another slot, and the prefix's pages
     engine.step()
-    busy = next(s for s in range(4) if s in engine.scheduler.active)
+    busy = next(s for s in range(4) if s in engine.active)
     updates = list(engine.generate([greedy_request("b", second)]))
     assert [u.cached_tokens for u in updates if u.finish_reason and u.id == "b"] == [24]
     slot = next(s for s in range(4) if s not in (busy, source) and pages.held[s])

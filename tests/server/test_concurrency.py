@@ -120,12 +120,7 @@ def _finished(live, reason: str) -> float:
 
 def _idle(live) -> bool:
     llm = live.llm
-    return (
-        live.worker.in_flight == 0
-        and not llm.engine.scheduler.active
-        and not llm.engine.scheduler.queue
-        and not llm.text_engine.pending
-    )
+    return live.worker.in_flight == 0 and not llm.engine.active and not llm.engine.queue and not llm.text_engine.pending
 
 
 def test_a_stream_closed_by_its_client_frees_its_slot(live):
@@ -138,7 +133,7 @@ def test_a_stream_closed_by_its_client_frees_its_slot(live):
             worker.pause()  # it cannot finish on its own now
             assert worker.running == 1
         # the connection is closed: the server cancels the request; its slot is freed at the engine's next step
-        wait_until(lambda: live.llm.engine.scheduler.ending, what="the engine to be told")
+        wait_until(lambda: live.llm.engine.ending, what="the engine to be told")
     finally:
         worker.resume()
     wait_until(lambda: _idle(live), what="the slot to be freed")

@@ -180,12 +180,7 @@ async def busy_run(url: str, worker, requests: list[tuple[str, dict]], leaving: 
 
 def idle(app) -> bool:
     llm, worker = app.state.llm, app.state.worker
-    return (
-        worker.in_flight == 0
-        and not llm.engine.scheduler.active
-        and not llm.engine.scheduler.queue
-        and not llm.text_engine.pending
-    )
+    return worker.in_flight == 0 and not llm.engine.active and not llm.engine.queue and not llm.text_engine.pending
 
 
 async def alone(url: str, path: str, body: dict) -> dict:
