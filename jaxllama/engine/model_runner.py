@@ -1,9 +1,10 @@
 """The engine's model runner: the weights as the backend's products read them, the decode slots' KV cache and state,
 and the compiled programs that advance them. A narrow interface in the spirit of JetStream's engine API:
 
-- `prefill(rows)`: compute prompts (or the part of them past a prefix another slot holds), insert them into decode
-  slots and sample their first tokens;
-- `generate(columns)`: advance the given slots by `decode_steps` tokens;
+- `prefill(rows)`: compute prompts (or the part of them past a prefix another slot holds), then `insert` them into
+  decode slots with their first tokens;
+- `generate(columns)`: advance the given slots by `decode_steps` tokens, a `decode_step` at a time (the decode state
+  and the cache passed in and returned);
 - `make_room(needed, lengths)`: a cache that holds what the next call writes.
 
 The cache is either contiguous, a row of positions per slot that grows and shrinks by buckets (`kvcache.py`), or
@@ -188,10 +189,7 @@ class ModelRunner:
         first token may be, [rows, ceil(vocab / 32)] int32 bitmasks; called while the device runs the layers."""
         batch = PrefillBatch.of(rows, self, masked=masks is not None)
         inputs = self.arrays.put(batch.arrays)
-        if batch.packed:
-            x, self.cache = self.layers.packed(inputs, batch.copies, self.cache)
-        else:
-            x = self._row_layers(rows, inputs, batch)
+        x, self.cache = self._prompt_layers(rows, batch, inputs, self.cache)
         prompt = self.layers.prompt_logprobs(x, rows, batch, inputs) if batch.prompt_logprobs else None
         if not sample:
             if self.abstract:
@@ -201,7 +199,8 @@ class ModelRunner:
                 return None
             none = np.zeros((0, len(rows)), np.int32)
             return Sampled(none, none.astype(np.float32), none.astype(bool), none, prompt=prompt)
-        return self._start(rows, batch, inputs, x, prompt, masks)
+        self.state, out = self.insert(self.state, x, batch, inputs, masks)
+        return None if self.abstract else _first_tokens(len(rows), out, prompt)
 
     def prefill_and_decode(
         self,
@@ -231,10 +230,10 @@ class ModelRunner:
         mask = self._column_masks(decode_masks, columns)
         decoding = step.StepRows(self.arrays.put(keep), inputs["decode_slots"], mask)
         self.state, decoded = self._decode_outputs(self.state, x_decode, decoding, flags)
-        started = self._start(rows, batch, inputs, x, prompt, masks)
+        self.state, out = self.insert(self.state, x, batch, inputs, masks)
         if self.abstract:
             return None
-        return started, _sampled([decoded], flags)
+        return _first_tokens(len(rows), out, prompt), _sampled([decoded], flags)
 
     def _mixed_step(self, rows, columns, params, cancelled, masks, decode_masks) -> tuple[Sampled, Sampled]:
         """`prefill_and_decode` over a paged cache: the prompt rows (padded to their bucket, [r, t]) and the next token
@@ -252,14 +251,14 @@ class ModelRunner:
         prompt_logprobs = self.layers.prompt_logprobs(x_prompt, rows, batch, inputs) if batch.prompt_logprobs else None
         mask = self._column_masks(decode_masks, columns)
         self.state, decoded = self._decode_outputs(self.state, x_decode, step.StepRows(keep, decode_slots, mask), flags)
-        started = self._start(rows, batch, inputs, x_prompt, prompt_logprobs, masks)
+        self.state, out = self.insert(self.state, x_prompt, batch, inputs, masks)
         if self.abstract:
             return None
-        return started, _sampled([decoded], flags)
+        return _first_tokens(len(rows), out, prompt_logprobs), _sampled([decoded], flags)
 
-    def _start(self, rows: Sequence[PrefillRow], batch: PrefillBatch, inputs, x, prompt, masks=None) -> Sampled:
-        """Put a prefill's rows in their decode slots, from its last layer's output x, and sample their first tokens
-        (`prefill`)."""
+    def insert(self, state, x, batch: PrefillBatch, inputs, masks=None):
+        """Put a prefill's rows in their decode slots, from its last layer's output x, and sample their first tokens:
+        the decode state in, and out -> (state, outputs on the device: `step.prefill_outputs`')."""
         if batch.packed:
             x = self._call("prefill_last", step.packed_last, (x, inputs["last"]))
         else:
@@ -267,28 +266,24 @@ class ModelRunner:
         if masks is not None:  # computed on the host while the layers run (dispatch is asynchronous)
             inputs["mask"] = self.arrays.put(_padded_masks(masks(), batch.arrays["mask"]))
         admitted = step.Admitted(**{f.name: inputs[f.name] for f in dataclasses.fields(step.Admitted)})
-        args = (self._outer, self.state, x, admitted)
         fn = functools.partial(step.prefill_outputs, config=self.config, flags=batch.flags, ops=self.ops)
         out = self._outputs_sharding(4)
-        self.state, *out = self._call("prefill_outputs", fn, args, batch.flags, donate=1, out=out)
-        if self.abstract:
-            return None
-        first, logprobs, finish, top = jax.tree.map(lambda x: np.asarray(x)[None, : len(rows)], jax.device_get(out))
-        top_ids, top_logprobs = top if top is not None else (None, None)
-        return Sampled(first, logprobs, np.ones_like(first, bool), finish, top_ids, top_logprobs, prompt)
+        state, *out = self._call("prefill_outputs", fn, (self._outer, state, x, admitted), batch.flags, 1, out)
+        return state, out
 
-    def _row_layers(self, rows: Sequence[PrefillRow], inputs, batch: PrefillBatch):
-        """A prefill's layers over its rows x prompt bucket: the rows' pages, or copies of their slots' rows."""
+    def _prompt_layers(self, rows: Sequence[PrefillRow], batch: PrefillBatch, inputs, cache):
+        """A prefill's layers, the cache in and out -> (x, cache): packed, or over its rows x prompt bucket (the rows'
+        pages, or copies of their slots' rows)."""
+        if batch.packed:
+            return self.layers.packed(inputs, batch.copies, cache)
         fn = functools.partial(step.prefill_inputs, config=self.config)
         out = (self.arrays.tokens(inputs["tokens"].shape), self.arrays.activations)
         x, at = self._call("prefill_inputs", fn, (self._outer, inputs["tokens"], inputs["starts"]), out=out)
         at = dataclasses.replace(at, fresh=batch.fresh)
         if self.pages:
             table = self.arrays.put(self.pages.prefill_table(rows, len(batch.arrays["slots"]), batch.span))
-            x, self.cache = self.layers.run("prefill_layers", x, dataclasses.replace(at, pages=table), self.cache)
-        else:
-            x, self.cache = self.layers.prefill(x, at, inputs, batch.span, self.cache)
-        return x
+            return self.layers.run("prefill_layers", x, dataclasses.replace(at, pages=table), cache)
+        return self.layers.prefill(x, at, inputs, batch.span, cache)
 
     def generate(
         self,
@@ -360,8 +355,6 @@ class ModelRunner:
         """An `*_outputs` program's: the decode state as it is, then n small replicated outputs."""
         return (jax.tree.map(lambda x: x.sharding, self.state),) + (self.arrays.replicated,) * n
 
-    # ---- device state -----------------------------------------------------------------------------
-
     def seed(self, params: SamplingParams) -> int:
         """The request's seed, or one drawn for it (the same on every process)."""
         return params.seed if params.seed is not None else self._seeds.getrandbits(63)
@@ -372,6 +365,13 @@ def _padded_masks(masks: np.ndarray, out: np.ndarray) -> np.ndarray:
     out = out.copy()
     out[: len(masks)] = masks
     return out
+
+
+def _first_tokens(rows: int, out, prompt) -> Sampled:
+    """A prefill's first tokens (`ModelRunner.insert`'s outputs) for its first `rows` rows, read back."""
+    first, logprobs, finish, top = jax.tree.map(lambda x: np.asarray(x)[None, :rows], jax.device_get(out))
+    top_ids, top_logprobs = top if top is not None else (None, None)
+    return Sampled(first, logprobs, np.ones_like(first, bool), finish, top_ids, top_logprobs, prompt)
 
 
 def _sampled(steps: list, flags: SamplerFlags) -> Sampled:
