@@ -207,7 +207,7 @@ def run(
         print(f"interrupted: {e}", file=sys.stderr)
         sys.exit(INTERRUPTED)
     if main:
-        _report_job(summary, out_path, stats_file, quiet)
+        _report_job(summary, output or default_output(job_path), stats_file, quiet)
     if lock is not None:
         lock.release()
     if stats.has_errors:
@@ -333,7 +333,8 @@ def compile(
     try:
         prefills = [_rows_by_tokens(p) for p in as_list(prefill) for p in p.split(",") if p] or None
         options = engine.options(model.quantize)
-        target = dict(topology=topology, stored_as=stored_as, options=options, **model.form)
+        # `--quantize` travels in `options`, checked there with the flag's name in the error
+        target = dict(topology=topology, stored_as=stored_as, options=options, mesh=model.mesh, dtype=model.dtype)
         report = LLM.compile_for(model.model, prefills=prefills, **target)
     except LOAD_ERRORS as e:
         _fail(str(e))

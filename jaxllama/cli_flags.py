@@ -58,11 +58,6 @@ class ModelFlags:
     eos_id: list | None = flag(None, "an extra end-of-generation token id (repeatable).", "ID", repeatable=True)
 
     @property
-    def form(self) -> dict:
-        """The mesh and the weights' form, as `LLM.compile_for` and `LLM.predict_job` take them."""
-        return dict(mesh=self.mesh, dtype=self.dtype, quantize=self.quantize)
-
-    @property
     def eos_ids(self) -> list[int]:
         """--eos-id's ids (none where it is not given)."""
         return as_list(self.eos_id, int)

@@ -312,8 +312,10 @@ def run_job_on_ray(
         _drive(ray, _Feed(lines, Dispatcher(block), replicas * in_flight), seats, tally, restart, in_flight)
 
     stats = answer_job(job, output, options, answer, agree=False)
-    out = _summary(ray, stats, seats, time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    out = _summary(ray, stats, seats)
     out["replicas_loaded_s"] = round(loaded[0], 3) if loaded else 0.0  # of wall_s: starting the replicas
+    out["replicas"] = [seat.figures(wall) for seat in seats]
     for seat in seats:
         _stop(ray, seat)
     return stats, out
@@ -329,9 +331,8 @@ def _blocks(spec: ReplicaSpec, block_lines: int | None) -> tuple[int, int]:
     return block_lines or spec.options.max_slots, 2
 
 
-def _summary(ray, stats: JobStats, seats: list[_Seat], wall: float) -> dict:
-    """`run_job`'s summary of the job, its engine figures summed over the replicas still answering, with each
-    replica's own figures under "replicas"."""
+def _summary(ray, stats: JobStats, seats: list[_Seat]) -> dict:
+    """`run_job`'s summary of the job, its engine figures summed over the replicas still answering."""
     engines, slots = EngineStats(), 0
     for seat in seats:
         if seat.dead:
@@ -342,7 +343,7 @@ def _summary(ray, stats: JobStats, seats: list[_Seat], wall: float) -> dict:
             continue
         engines = EngineStats(**{f.name: getattr(engines, f.name) + getattr(e, f.name) for f in dataclasses.fields(e)})
         slots += n
-    return job_summary(stats, engines, slots) | {"hosts": [], "replicas": [seat.figures(wall) for seat in seats]}
+    return job_summary(stats, engines, slots) | {"hosts": []}
 
 
 class _Feed:

@@ -25,6 +25,7 @@ from jaxllama.backends import int8_paged_attention
 from jaxllama.core import int8_kv
 from jaxllama.core.int8_kv import Int8KV
 from jaxllama.core.ops import Ops
+from jaxllama.core.sharding import tokens_spec
 
 LANES = 128  # a head's width must be a multiple of it
 # Positions per page: a TPU's bfloat16 tile is [16, 128], and pages of a few tiles make whole DMA transfers for the
@@ -130,10 +131,10 @@ class TpuOps(PallasOps):
         """A fresh prompt's attention by jax's TPU flash-attention kernel (`pallas.ops.tpu.flash_attention`, causal):
         blocks of queries against blocks of keys on the matrix unit, the softmax carried across blocks, where XLA
         holds every row's [heads, t, t] scores and runs the softmax over them on the vector unit (a 70B prefill of
-        8 x 512 on v6e:2x4 spent ~13% of its cycles there). Each device runs its own query heads (`model` splits
-        them). For prompts shorter than FLASH_MIN_TOKENS, where the mesh has a `data` axis of more than one device,
-        heads the model axis does not split, heads not 128 wide or prompts not a multiple of 128 tokens, XLA's
-        attention runs."""
+        8 x 512 on v6e:2x4 spent ~13% of its cycles there). Each device runs its own prompts where `model` splits
+        them (`sharding.tokens_spec`), else its own query heads. For prompts shorter than FLASH_MIN_TOKENS, where
+        the mesh has a `data` axis of more than one device, heads the model axis does not split (prompts it does not
+        split), heads not 128 wide or prompts not a multiple of 128 tokens, XLA's attention runs."""
         from jax.experimental.pallas.ops.tpu import flash_attention as flash
 
         b, t, kv, g, hd = q.shape
@@ -141,7 +142,10 @@ class TpuOps(PallasOps):
         axes = {} if mesh.empty else dict(mesh.shape)
         model = axes.get("model", 1)
         block = next((n for n in (512, 256, 128) if t % n == 0), None)
-        if t < FLASH_MIN_TOKENS or block is None or hd % LANES or kv % model or axes.get("data", 1) > 1:
+        by_prompt = model > 1 and tokens_spec(q.shape, axes) == PartitionSpec("model", None)
+        if t < FLASH_MIN_TOKENS or block is None or hd % LANES or axes.get("data", 1) > 1:
+            return None
+        if kv % model and not by_prompt:
             return None
         heads = lambda x: x.transpose(0, 2, 1, 3)  # [b, t, heads, hd] <-> [b, heads, t, hd]
         queries = heads(q.reshape(b, t, kv * g, hd))  # head kv_index * g + group
@@ -149,7 +153,7 @@ class TpuOps(PallasOps):
         blocks = flash.BlockSizes(block_q=block, block_k_major=block, block_k=block, block_b=1)  # the forward pass's
         attend = functools.partial(flash.flash_attention, causal=True, sm_scale=1.0 / math.sqrt(hd), block_sizes=blocks)
         if model > 1:
-            split = PartitionSpec(None, "model")
+            split = PartitionSpec("model") if by_prompt else PartitionSpec(None, "model")  # [b, heads, t, hd]
             attend = jax.shard_map(attend, mesh=mesh, in_specs=(split,) * 3, out_specs=split, check_vma=False)
         return heads(attend(queries, keys, values)).reshape(q.shape).astype(q.dtype)
 

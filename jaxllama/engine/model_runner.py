@@ -304,13 +304,13 @@ class ModelRunner:
         )
         pages = self.arrays.put(self.pages.decode_table(columns, self.max_context)) if self.pages else None
         rows = step.StepRows(keep, slots)
-        state, cache, steps = self.state, self.cache, []
+        steps = []
         for _ in range(1 if masks else self.decode_steps):  # no host round trip between steps
             mask = (lambda: self._column_masks(masks, columns)) if masks else None
-            state, cache, out = self.decode_step(state, cache, rows, flags, pages, mask)
+            # kept at each step: a step that raises leaves the last state whole, not one donated to it
+            self.state, self.cache, out = self.decode_step(self.state, self.cache, rows, flags, pages, mask)
             steps.append(out)
             rows = step.StepRows(kept, slots)  # cancellations apply at the first step
-        self.state, self.cache = state, cache
         if self.abstract:
             return None
         return _sampled(steps, flags)
