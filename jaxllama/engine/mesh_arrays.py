@@ -46,9 +46,9 @@ class MeshArrays:
         return named_sharding(self.mesh, self.config, ("batch",))
 
     def tokens(self, shape) -> NamedSharding:
-        """Activations [b, t, ...] between a prompt's programs: split by token (`sharding.tokens_spec`), as the layers
-        compute on them, so that no program gathers them whole to hand them on (70B on v6e:2x4, prefill 8 x 512:
-        3% of the layers' cycles); batch over `data` where the spec is None (a decode step's)."""
+        """Activations [b, t, ...] between programs: split by row or by token as the layers compute on them
+        (`sharding.tokens_spec`), so that no program gathers them whole to hand them on (70B on v6e:2x4, prefill
+        8 x 512: 3% of the layers' cycles); batch over `data` where the spec is None (a decode step of a few rows)."""
         spec = tokens_spec(shape, dict(self.mesh.shape))
         return self.activations if spec is None else NamedSharding(self.mesh, spec)
 
