@@ -142,7 +142,7 @@ class TpuOps(PallasOps):
         axes = {} if mesh.empty else dict(mesh.shape)
         model = axes.get("model", 1)
         block = next((n for n in (512, 256, 128) if t % n == 0), None)
-        by_prompt = model > 1 and tokens_spec(q.shape, axes) == PartitionSpec("model", None)
+        by_prompt = tokens_spec(q.shape, axes) == PartitionSpec("model", None)  # None on one device
         if t < FLASH_MIN_TOKENS or block is None or hd % LANES or axes.get("data", 1) > 1:
             return None
         if kv % model and not by_prompt:

@@ -267,7 +267,7 @@ class ModelRunner:
             inputs["mask"] = self.arrays.put(_padded_masks(masks(), batch.arrays["mask"]))
         admitted = step.Admitted(**{f.name: inputs[f.name] for f in dataclasses.fields(step.Admitted)})
         fn = functools.partial(step.prefill_outputs, config=self.config, flags=batch.flags, ops=self.ops)
-        out = self._outputs_sharding(4)
+        out = self._outputs_sharding(state, 4)
         state, *out = self._call("prefill_outputs", fn, (self._outer, state, x, admitted), batch.flags, 1, out)
         return state, out
 
@@ -304,9 +304,9 @@ class ModelRunner:
         )
         pages = self.arrays.put(self.pages.decode_table(columns, self.max_context)) if self.pages else None
         rows = step.StepRows(keep, slots)
+        mask = functools.partial(self._column_masks, masks, columns) if masks else None
         steps = []
         for _ in range(1 if masks else self.decode_steps):  # no host round trip between steps
-            mask = (lambda: self._column_masks(masks, columns)) if masks else None
             # kept at each step: a step that raises leaves the last state whole, not one donated to it
             self.state, self.cache, out = self.decode_step(self.state, self.cache, rows, flags, pages, mask)
             steps.append(out)
@@ -339,7 +339,7 @@ class ModelRunner:
         -> (state, its outputs on the device)."""
         fn = functools.partial(step.decode_outputs, config=self.config, flags=flags, ops=self.ops)
         state, *out = self._call(
-            "decode_outputs", fn, (self._outer, state, x, rows), flags, 1, self._outputs_sharding(5)
+            "decode_outputs", fn, (self._outer, state, x, rows), flags, 1, self._outputs_sharding(state, 5)
         )
         return state, out
 
@@ -351,9 +351,9 @@ class ModelRunner:
         """int32 words of a token bitmask: one bit per token of the vocabulary."""
         return (self.vocab_size + 31) // 32
 
-    def _outputs_sharding(self, n: int):
-        """An `*_outputs` program's: the decode state as it is, then n small replicated outputs."""
-        return (jax.tree.map(lambda x: x.sharding, self.state),) + (self.arrays.replicated,) * n
+    def _outputs_sharding(self, state, n: int):
+        """An `*_outputs` program's: the decode state as `state` is, then n small replicated outputs."""
+        return (jax.tree.map(lambda x: x.sharding, state),) + (self.arrays.replicated,) * n
 
     def seed(self, params: SamplingParams) -> int:
         """The request's seed, or one drawn for it (the same on every process)."""
