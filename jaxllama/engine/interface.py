@@ -7,21 +7,29 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from jaxllama.engine.request import Request, SamplingParams
+
+if TYPE_CHECKING:
+    from jaxllama.engine.pages import PageTable
 
 # Why a row stopped, as the device reports it: an index into FINISH. RUNNING: it goes on (or emitted nothing).
 FINISH = (None, "stop", "length")
 RUNNING, STOPPED, LENGTH = range(len(FINISH))
 
 
+# A `PrefillRow.source` that is no slot: the prefix's pages are those a paged cache's pool keeps for its tokens.
+CACHED = -1
+
+
 @dataclasses.dataclass
 class PrefillRow:
     """One prompt to compute: `tokens` (the prompt past a reused prefix) at positions from `start`, over the first
-    `start` positions of slot `source`'s cache, into decode slot `slot` (source == slot: computed from its start).
+    `start` positions of slot `source`'s cache (`CACHED`: of the pages a paged pool caches for the prompt's first
+    tokens, `pages.PageTable.cached`), into decode slot `slot` (source == slot: computed from its start).
     Not `final`: the tokens are a chunk of the prompt, whose rest a later call computes (where the runner
     `joins_decode`); the slot does not start decoding."""
 
@@ -86,6 +94,9 @@ class ModelRunnerInterface(Protocol):
     packs_prompts: bool  # a prefill's prompts of any lengths run as one batch of their tokens, none padded
     joins_decode: bool  # `prefill_and_decode` runs a prefill and a decode step as one call
     chunk_multiple: int  # a prompt computed in chunks ends each chunk but its last at a multiple of this position
+    # A paged cache's page table, whose pages the scheduler assigns to a prefill's rows before the call
+    # (`PageTable.assign_rows`) and whose full pages it caches by their tokens; None: a contiguous cache.
+    pages: PageTable | None
 
     def make_room(self, needed: int, lengths: dict[int, int]) -> int:
         """Make the KV cache hold a prefill's rows' `needed` positions and each slot's first `lengths[slot]`;

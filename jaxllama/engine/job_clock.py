@@ -63,7 +63,7 @@ class ClockedRunner:
         self.runner, self.cost, self.outputs = runner, cost, outputs
         for name in ("slots", "max_context", "decode_steps", "vocab_size", "eos_ids", "max_stop_ids", "row_multiple"):
             setattr(self, name, getattr(runner, name))
-        for name in ("reuse_multiple", "packs_prompts", "joins_decode", "chunk_multiple"):
+        for name in ("reuse_multiple", "packs_prompts", "joins_decode", "chunk_multiple", "pages"):
             setattr(self, name, getattr(runner, name))
         self.token = next(t for t in range(self.vocab_size) if t not in self.eos_ids)  # what every row "samples"
         self.now = 0.0

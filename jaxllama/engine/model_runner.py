@@ -9,8 +9,8 @@ and the compiled programs that advance them. A narrow interface in the spirit of
 
 The cache is either contiguous, a row of positions per slot that grows and shrinks by buckets (`kvcache.py`), or
 paged (`page_size`): one pool of pages, allocated once at its full size, and a page table per slot
-(`engine/pages.py`), where a prompt that starts with another slot's sequence reads that slot's pages instead of a
-copy of them.
+(`engine/pages.py`), where a prompt that starts with tokens the pool holds reads their pages instead of a copy of
+them; the scheduler gives a prefill's rows their pages (`PageTable.assign_rows`), the runner reads the tables.
 
 Typed batches in, tokens and a per-row finish code out (`step.FINISH`); which request runs where, and why, is the
 scheduler's business (`scheduler.py`). Multi-host: host inputs become global arrays and the small outputs are

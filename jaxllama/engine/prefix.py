@@ -3,8 +3,10 @@ start from.
 
 A slot's cache keeps the keys/values of its sequence after the request is gone, until the slot is
 refilled. A new prompt that shares a prefix with any slot's sequence (a system prompt, the earlier turns of
-a conversation) copies those positions from that slot and computes only the rest. Prompts admitted
-together that share a prefix none of the slots holds get it computed once (`shared_prefixes`).
+a conversation) copies those positions from that slot and computes only the rest. Over a paged cache a prompt
+also finds the full pages of sequences whose slots were refilled since, as long as the pool keeps them
+(`pages.PageTable.cached`), and shares them by reference. Prompts admitted together that share a prefix nothing
+holds get it computed once (`shared_prefixes`).
 
 A slot also keeps the log-probabilities of its prompt's tokens when its request asked for them
 (`interface.PromptLogprobs`): a prompt that wants its own reuses a prefix only as far as they are known, so that
@@ -19,7 +21,8 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from jaxllama.engine.interface import PrefillRow, PromptLogprobs, Sampled
+from jaxllama.engine.interface import CACHED, PrefillRow, PromptLogprobs, Sampled
+from jaxllama.engine.pages import PageTable
 
 MIN_REUSE = 8  # tokens: below this, computing the prefix again costs less than the bookkeeping
 # Tokens a prompt computes again rather than copy a longer prefix from a busy slot into its own: a few tokens' compute
@@ -36,10 +39,12 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 class ResidentPrefixes:
     """Per slot: the token ids whose keys/values sit at positions 0.. of that slot's cache, and the
     log-probabilities known of its tokens 1, 2, ... (a `PromptLogprobs`, or None). A prefix is reused in multiples
-    of `multiple` tokens (a paged cache shares whole pages: `engine/pages.py`)."""
+    of `multiple` tokens (a paged cache shares whole pages: `engine/pages.py`). Over a paged cache (`pool`) the
+    pool's cached pages are a source too: what slots held before they were refilled, until their pages are given
+    out again."""
 
-    def __init__(self, slots: int, multiple: int = 1):
-        self.multiple = multiple
+    def __init__(self, slots: int, multiple: int = 1, pool: PageTable | None = None):
+        self.multiple, self.pool = multiple, pool
         self.tokens = [np.zeros(0, np.int32) for _ in range(slots)]
         self.logprobs: list[PromptLogprobs | None] = [None] * slots
 
@@ -48,6 +53,8 @@ class ResidentPrefixes:
         second on, as far as they are known."""
         self.tokens[slot] = np.asarray(tokens, np.int32)
         self.logprobs[slot] = logprobs
+        if self.pool is not None:
+            self.pool.register(slot, self.tokens[slot])
 
     def truncate(self, length: int) -> None:
         """The cache was cut to `length` positions."""
@@ -62,7 +69,7 @@ class ResidentPrefixes:
             return [None] * len(rows)
         whole = []
         for r, computed in zip(rows, out.prompt, strict=True):
-            known = self.logprobs[r.source] if r.start else None
+            known = self.logprobs[r.source] if r.start and r.source != CACHED else None
             if r.start and (known is None or len(known) < r.start):
                 whole.append(None)  # reused past what is known: the row did not ask (`best`)
             else:
@@ -82,7 +89,18 @@ class ResidentPrefixes:
         tokens: n + 1 tokens in common), so that the prompt's own come from it up to token n and from the prefill
         after; n a multiple of `multiple`; (None, 0) if no slot holds at least MIN_REUSE tokens of it. A slot of
         `free` (which the prompt may then take, computing in place instead of copying the prefix to another slot) is
-        chosen where it holds at least all but FREE_SLACK tokens of the longest."""
+        chosen where it holds at least all but FREE_SLACK tokens of the longest. Where the pool caches more of it
+        than any slot holds (and its log-probabilities are not wanted, which pages do not keep): (CACHED, n)."""
+        slot, n = self._best_slot(prompt, exclude, logprobs, free)
+        if self.pool is not None and not logprobs:
+            cached = len(self.pool.cached(prompt, len(prompt) - 1)) * self.pool.page_size
+            if cached > max(n, MIN_REUSE - 1):
+                return CACHED, cached
+        return slot, n
+
+    def _best_slot(
+        self, prompt: Sequence[int], exclude: frozenset[int], logprobs: bool, free: Collection[int]
+    ) -> tuple[int | None, int]:
         p = np.asarray(prompt, np.int32)
         best = {False: (None, MIN_REUSE - 1), True: (None, MIN_REUSE - 1)}  # busy or free: (slot, n)
         for slot, held in enumerate(self.tokens):

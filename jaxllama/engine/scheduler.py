@@ -52,7 +52,7 @@ class Scheduler:
         self.queue: collections.deque[Request] = collections.deque()
         self.active: dict[int, Slot] = {}  # slot -> the request running there
         self.partial: dict[int, Partial] = {}  # slot -> the prompt computed there in chunks, not yet running
-        self.prefixes = ResidentPrefixes(self.slots, runner.reuse_multiple)
+        self.prefixes = ResidentPrefixes(self.slots, runner.reuse_multiple, runner.pages)
         self.planner = StepPlanner(runner, self.prefixes, step_tokens)
         self._kept = runner.max_context  # the positions the slots' caches keep (`_make_room`)
         self.ending: dict[int, tuple[FinishReason, str | None]] = {}  # slot -> why `finish` ends it
@@ -196,6 +196,7 @@ class Scheduler:
 
     def _prefill(self, rows: list[PrefillRow], sample: bool = True) -> list[Update]:
         """Compute the rows and start them decoding; without `sample`, only fill the caches (a shared prefix)."""
+        self._assign(rows)
         self._make_room(self._positions(rows))
         compiling, start = self.stats.compile_s, self.clock()
         masks = self._masks([r.request.constraint for r in rows]) if sample else None
@@ -207,6 +208,7 @@ class Scheduler:
     def _prefill_and_decode(self, rows: list[PrefillRow]) -> list[Update]:
         """`_prefill(rows)` and `_decode()` as one call of the runner (one pass over the weights for both): the
         running slots advance by a token while the rows' prompts are computed; the rows start decoding next step."""
+        self._assign(rows)
         self._make_room(self._positions(rows))
         columns = self._decode_columns(every=False)  # never a slot the rows are computed into
         cancelled, self._stopping = sorted(self._stopping), set()
@@ -222,6 +224,13 @@ class Scheduler:
         self._count_prefill(rows, seconds * prefill_share)
         updates = self._start(rows, started, start, now)
         return updates + self._decoded(columns, decoded, seconds * (1 - prefill_share))
+
+    def _assign(self, rows: list[PrefillRow]) -> None:
+        """Over a paged cache, give the rows their pages as soon as they are placed, before anything else takes a
+        page: the prefixes they were placed over, which the pool may hold only as free cached pages, are theirs
+        then, and a slot a row refills lets its old pages go before the running slots' next ones are taken."""
+        if self.runner.pages is not None:
+            self.runner.pages.assign_rows(rows)
 
     def _positions(self, rows: list[PrefillRow]) -> int:
         """The cache positions a prefill of these rows writes: each row's prompt, padded to one bucket unless the

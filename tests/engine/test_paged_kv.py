@@ -91,6 +91,34 @@ def test_the_page_table_shares_whole_pages_and_frees_what_no_slot_holds():
     np.testing.assert_array_equal(table.table([0, 3], 2), [[12, 12], [12, 12]])  # no pages: entries past the pool
 
 
+def test_the_pool_keeps_full_pages_after_their_slot_lets_them_go_and_gives_out_the_least_recently_freed_first():
+    table = PageTable(slots=2, max_context=32, page_size=8)  # 4 pages a slot, 8 in the pool
+    a, b = list(range(100, 125)), list(range(200, 232))
+    table.assign([(0, 0, 0, 25)])
+    table.register(0, a)  # 25 tokens: 3 full pages cached, the fourth partial
+    kept = table.held[0][:3]
+    assert table.cached(a + [7, 7], 27) == kept and table.cached(a, 16) == kept[:2]
+    assert table.cached([1] + a[1:], 25) == []  # a page's key is its tokens and every token before them
+    table.release(0)  # its pages free, the cached ones still findable
+    assert table.free == 8 and table.cached(a, 25) == kept
+    # Slot 1 takes the prefix by reference and a page of its own (at most 4): the one that caches nothing.
+    table.assign([(1, table.cached(a, 24), 24, 32)])
+    assert table.held[1][:3] == kept and not set(table.held[1][3:]) & set(kept) and table.free == 4
+    table.register(1, a[:24] + b[:8])
+    table.release(1)
+    # Slot 0 needs the whole pool's worth twice over: the least recently freed go first, each sequence's last
+    # pages before its first, so the shortest prefixes are the last to go.
+    table.assign([(0, 0, 0, 32)])
+    assert table.cached(a, 25) == kept  # four pages taken, none of them cached ones
+    table.assign([(1, 1, 0, 8)])
+    assert table.cached(a + b[:8], 40) == kept  # the fourth page of `a + b` was its sequence's last
+    table.release(0)
+    table.assign([(1, 1, 0, 32)])  # four pages that cache nothing
+    assert table.cached(a, 25) == kept
+    table.assign([(0, 0, 0, 16)])  # the last one of those, then the last of `a`'s
+    assert table.cached(a, 25) == kept[:2]
+
+
 @pytest.fixture(scope="module")
 def expected(tiny):
     config, params = tiny
@@ -154,6 +182,24 @@ def test_a_prefix_is_read_from_the_pages_that_hold_it(tiny, dtype):
     # into a whole step of its rounding where it lies near a half step: up to 3.5e-4 there.
     atol = 1e-3 if dtype == "int8" else 0
     np.testing.assert_allclose([lp for u in updates if u.id == "b" for lp in u.logprobs], fresh, rtol=1e-5, atol=atol)
+
+
+@pytest.mark.slow
+def test_a_prefix_outlives_the_slot_that_held_it(tiny):
+    """Two slots, both refilled after "a" ends: its full pages stay cached in the pool, and a later prompt that starts
+    with its prompt reads them (as it does from a slot), to the numbers a fresh engine gives it."""
+    rng = np.random.default_rng(7)
+    first = rng.integers(3, 131, 30).tolist()
+    later = first + rng.integers(3, 131, 9).tolist()
+    fresh = token_logprobs(_paged(tiny, max_slots=2), greedy_request("d", later))
+    engine = _paged(tiny, max_slots=2)
+    token_logprobs(engine, greedy_request("a", first, 4))
+    others = [greedy_request(i, rng.integers(3, 131, 20).tolist(), 6) for i in ("b", "c")]
+    run(engine, others)
+    assert not any(len(engine.prefixes.tokens[s]) and engine.prefixes.tokens[s][0] == first[0] for s in range(2))
+    updates = list(engine.generate([greedy_request("d", later)]))
+    assert [u.cached_tokens for u in updates if u.finish_reason] == [24]  # the 30 tokens' whole pages
+    np.testing.assert_allclose([lp for u in updates for lp in u.logprobs], fresh, rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ class ScriptedRunner:
 
     slots, max_context, decode_steps, vocab_size = 3, 64, 1, 100
     eos_ids, max_stop_ids, row_multiple, reuse_multiple, packs_prompts, joins_decode = (EOS,), 32, 1, 1, False, False
+    pages = None
     chunk_multiple = 1
 
     def __init__(self):
