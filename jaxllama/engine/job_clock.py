@@ -148,6 +148,7 @@ class JobPrediction:
     requests: int  # run (each of a line's n samples is one)
     refused: dict  # request index -> why the engine refuses it (a prompt past the context)
     prompt_tokens: int
+    cached_tokens: int  # of the prompt tokens, those read from a cache (a prefix some slot or the pool held)
     output_tokens: int
     wall_s: float
     ttft_p50_s: float
@@ -187,6 +188,7 @@ class JobPrediction:
         return "\n".join(
             [
                 f"job: {self.requests} requests, {self.prompt_tokens:,} prompt + {self.output_tokens:,} output tokens"
+                + (f" ({self.cached_tokens:,} prompt tokens read from the cache)" if self.cached_tokens else "")
                 + (f" ({len(self.refused)} refused: {next(iter(self.refused.values()))})" if self.refused else ""),
                 f"predicted wall time {self.wall_s:,.1f} s: {self.output_tok_s:,.1f} output tok/s, "
                 f"{self.total_tok_s:,.1f} total tok/s",
@@ -237,6 +239,7 @@ def predict(
         requests=len(jobs) - len(refused),
         refused=refused,
         prompt_tokens=sum(len(p) for i, (p, _) in enumerate(jobs) if i not in refused),
+        cached_tokens=stats.cached_tokens,
         output_tokens=outputs_done,
         wall_s=clocked.now,
         ttft_p50_s=_quantile(ttft, 0.5),

@@ -43,6 +43,16 @@ def test_each_request_generates_its_length_on_the_clock_of_the_programs_called()
     assert p.cost_usd == pytest.approx(p.wall_s / 3600 * 2.0) and p.output_tok_s == pytest.approx(104 / p.wall_s)
 
 
+def test_a_prompt_reads_a_prefix_from_pages_its_slot_let_go_and_the_job_counts_it():
+    """Four conversations' first turns, then their second, on two slots of a paged cache: each second turn starts
+    with its first turn's 40 tokens, whose slot a later conversation took; the pool still caches their pages."""
+    engine = local_engine(max_slots=2, max_context=256, page_size=8, cpu_kernels=False)
+    firsts = [[10 + c] * 40 for c in range(4)]
+    jobs = [(p, 3) for p in firsts] + [(p + [7] * 20, 3) for p in firsts]
+    p = job_clock.predict(engine.runner, jobs, lambda c, read: 1e-3, step_tokens=2048, chips=1)
+    assert p.cached_tokens == 4 * 40 and "160 prompt tokens read from the cache" in p.table()
+
+
 def test_a_program_is_measured_once_per_shape_on_the_local_devices():
     engine = local_engine(max_slots=4, max_context=256)
     measured, seen = job_clock.measured_cost(repeats=1), []
