@@ -25,7 +25,7 @@ from jaxllama.backends import int8_paged_attention
 from jaxllama.core import int8_kv
 from jaxllama.core.int8_kv import Int8KV
 from jaxllama.core.ops import Ops
-from jaxllama.core.sharding import tokens_spec
+from jaxllama.core.sharding import activations_spec
 
 LANES = 128  # a head's width must be a multiple of it
 # Positions per page: a TPU's bfloat16 tile is [16, 128], and pages of a few tiles make whole DMA transfers for the
@@ -132,7 +132,7 @@ class TpuOps(PallasOps):
         blocks of queries against blocks of keys on the matrix unit, the softmax carried across blocks, where XLA
         holds every row's [heads, t, t] scores and runs the softmax over them on the vector unit (a 70B prefill of
         8 x 512 on v6e:2x4 spent ~13% of its cycles there). Each device runs its own prompts where `model` splits
-        them (`sharding.tokens_spec`), else its own query heads. For prompts shorter than FLASH_MIN_TOKENS, where
+        them (`sharding.activations_spec`), else its own query heads. For prompts shorter than FLASH_MIN_TOKENS, where
         the mesh has a `data` axis of more than one device, heads the model axis does not split (prompts it does not
         split), heads not 128 wide or prompts not a multiple of 128 tokens, XLA's attention runs."""
         from jax.experimental.pallas.ops.tpu import flash_attention as flash
@@ -142,7 +142,7 @@ class TpuOps(PallasOps):
         axes = {} if mesh.empty else dict(mesh.shape)
         model = axes.get("model", 1)
         block = next((n for n in (512, 256, 128) if t % n == 0), None)
-        by_prompt = tokens_spec(q.shape, axes) == PartitionSpec("model", None)  # None on one device
+        by_prompt = activations_spec(q.shape, axes) == PartitionSpec("model", None)  # None on one device
         if t < FLASH_MIN_TOKENS or block is None or hd % LANES or axes.get("data", 1) > 1:
             return None
         if kv % model and not by_prompt:

@@ -34,7 +34,7 @@ from jaxllama.core.config import ModelConfig
 from jaxllama.core.ops import XLA, Ops
 from jaxllama.core.products import BIASES, GATE_UP, QKV
 from jaxllama.core.rope import apply_rope, rope_angles
-from jaxllama.core.sharding import split_tokens
+from jaxllama.core.sharding import split_activations
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer (k, v), laid out as `Ops.cache_layout` says
 
@@ -157,8 +157,8 @@ def block(p, c: ModelConfig, x, at: Placement | Mixed, cache_k, cache_v, ops: Op
     them (the outer jit inlines it: the compiled program is the same)."""
     normed = rms_norm(p["attention_norm"], x, c.norm_eps)
     h, cache_k, cache_v = attention(p["attention"], c, normed, at, cache_k, cache_v, ops)
-    x = split_tokens(x + h)
-    x = split_tokens(x + mlp(p["mlp"], c, rms_norm(p["mlp_norm"], x, c.norm_eps), ops))
+    x = split_activations(x + h)
+    x = split_activations(x + mlp(p["mlp"], c, rms_norm(p["mlp_norm"], x, c.norm_eps), ops))
     return x, cache_k, cache_v
 
 

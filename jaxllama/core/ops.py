@@ -29,7 +29,7 @@ from jaxllama.core.cache_layout import POSITIONS_MAJOR, CacheLayout
 from jaxllama.core.int8_weights import Int8
 from jaxllama.core.products import HEAD_NORMS, PRODUCT_IN_DIMS, ROTATED, ROTATED_BIASES
 from jaxllama.core.rope import rope_halves_order
-from jaxllama.core.sharding import tokens_spec
+from jaxllama.core.sharding import activations_spec
 
 # XLA:CPU's option that turns its YNNPACK matrix-product kernels off (see `Ops.compiler_options`).
 NO_YNNPACK = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -81,7 +81,7 @@ class Ops:
         """x [..., *in] times w [*out, *in] (`in_dims` trailing dims; an array or `Blocks`) -> [..., *out], as one
         2-D product in x's dtype. `row_parallel`: the model axis splits the product's inputs (wo, w2), so that each
         device's outputs are partial sums, which a prompt's tokens [b, t, ...] reduce-scatter by token
-        (`sharding.split_tokens`)."""
+        (`sharding.split_activations`)."""
         lead = x.shape[: x.ndim - in_dims]
         n_in = int(np.prod(w.shape[len(w.shape) - in_dims :]))
         out = w.shape[: len(w.shape) - in_dims]
@@ -97,7 +97,7 @@ class Ops:
                 # split the products into collective matmuls of 16 small pieces (`jaxllama compile`, 70B int8
                 # prefill 8 x 512 on v5e:4x4: 386.1 ms by cycles, 293.5 scaled after).
                 y = jax.lax.dot_general(x2, q, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
-            if (split := tokens_spec(lead) if row_parallel else None) is not None:
+            if (split := activations_spec(lead) if row_parallel else None) is not None:
                 # Split by token before the scales: each device then scales its own tokens after the reduce-scatter,
                 # where the compiler otherwise all-reduces the partial sums and scales every token on every device
                 # (`jaxllama compile`, 70B int8 prefill 8 x 512 on v5e:4x4: 293.5 -> 224.8 ms by cycles).

@@ -136,7 +136,7 @@ def named_sharding(mesh: Mesh, config: ModelConfig, axes: Sequence[str | None]) 
     return NamedSharding(mesh, logical_to_spec(axes, rules_for(config, mesh)))
 
 
-def tokens_spec(shape: Sequence[int], mesh_shape: dict[str, int] | None = None) -> PartitionSpec | None:
+def activations_spec(shape: Sequence[int], mesh_shape: dict[str, int] | None = None) -> PartitionSpec | None:
     """How activations [b, t, ...] are split over the `model` axis of a mesh of these axis sizes (default: the mesh
     of the context, `jax.set_mesh`) between products: by row where the rows' count divides it and no `data` axis
     takes the batch, so that each device holds whole prompts (their attention reads nothing from another device),
@@ -165,8 +165,8 @@ def tokens_spec(shape: Sequence[int], mesh_shape: dict[str, int] | None = None) 
     return PartitionSpec("data" if data > 1 and shape[0] % data == 0 else None, "model")
 
 
-def split_tokens(x: jax.Array) -> jax.Array:
-    """x [b, t, ...] split by prompt or by token as `tokens_spec` says under the mesh of the context; x as it is
+def split_activations(x: jax.Array) -> jax.Array:
+    """x [b, t, ...] split by prompt or by token as `activations_spec` says under the mesh of the context; x as it is
     where the spec is None."""
-    spec = tokens_spec(x.shape)
+    spec = activations_spec(x.shape)
     return x if spec is None else jax.lax.with_sharding_constraint(x, spec)

@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllama.core.config import ModelConfig
-from jaxllama.core.sharding import named_sharding, tokens_spec
+from jaxllama.core.sharding import activations_spec, named_sharding
 from jaxllama.engine import step
 from jaxllama.engine.prefill_batch import MAX_STOP_IDS
 from jaxllama.engine.request import SamplingParams
@@ -47,9 +47,9 @@ class MeshArrays:
 
     def tokens(self, shape) -> NamedSharding:
         """Activations [b, t, ...] between programs: split by row or by token as the layers compute on them
-        (`sharding.tokens_spec`), so that no program gathers them whole to hand them on (70B on v6e:2x4, prefill
+        (`sharding.activations_spec`), so that no program gathers them whole to hand them on (70B on v6e:2x4, prefill
         8 x 512: 3% of the layers' cycles); batch over `data` where the spec is None (a decode step of a few rows)."""
-        spec = tokens_spec(shape, dict(self.mesh.shape))
+        spec = activations_spec(shape, dict(self.mesh.shape))
         return self.activations if spec is None else NamedSharding(self.mesh, spec)
 
     def put(self, xs):
