@@ -99,8 +99,9 @@ class ModelRunnerInterface(Protocol):
     pages: PageTable | None
 
     def make_room(self, needed: int, lengths: dict[int, int]) -> int:
-        """Make the KV cache hold a prefill's rows' `needed` positions and each slot's first `lengths[slot]`;
-        return the positions every slot still holds (what a slot held past them is gone)."""
+        """Make the KV cache hold a prefill's rows' `needed` positions (a paged cache's rows have their pages from
+        the scheduler: `pages`) and each slot's first `lengths[slot]`; return the positions every slot still holds
+        (what a slot held past them is gone)."""
 
     def prefill(
         self, rows: Sequence[PrefillRow], sample: bool = True, masks: Callable[[], np.ndarray] | None = None

@@ -147,7 +147,8 @@ class ModelRunner:
 
     def make_room(self, needed: int, lengths: dict[int, int]) -> int:
         """Make the cache hold each slot's positions [0, lengths[slot]) and a prefill's rows' `needed` positions
-        (a paged cache gives those their pages as the prefill assigns them). A contiguous cache grows to the bucket
+        (over a paged cache the scheduler gave those their pages already: `PageTable.assign_rows`). A contiguous
+        cache grows to the bucket
         of the longest, or shrinks to it when far shorter. Returns the positions every slot still holds: what a
         slot held past them is gone."""
         if self.pages:
@@ -184,8 +185,9 @@ class ModelRunner:
         self, rows: Sequence[PrefillRow], sample: bool = True, masks: Callable[[], np.ndarray] | None = None
     ) -> Sampled | None:
         """Compute the rows' prompts into their slots' caches (the cache must hold start + the prompt bucket of
-        every row) and, with `sample`, put each row in its decode slot and sample its first token; without, only
-        the caches are filled (a shared prefix) and nothing is returned. `masks`: gives the tokens each row's
+        every row; a paged cache's rows must have their pages, `PageTable.assign_rows`) and, with `sample`, put
+        each row in its decode slot and sample its first token; without, only the caches are filled (a shared
+        prefix) and nothing is returned. `masks`: gives the tokens each row's
         first token may be, [rows, ceil(vocab / 32)] int32 bitmasks; called while the device runs the layers."""
         batch = PrefillBatch.of(rows, self, masked=masks is not None)
         inputs = self.arrays.put(batch.arrays)
@@ -298,7 +300,7 @@ class ModelRunner:
         `masks`: one step only, drawing each column's token among those its bitmask allows; it gives them,
         [columns, ceil(vocab / 32)] int32, and is called while the device runs the step's layers."""
         flags = dataclasses.replace(SamplerFlags.of(params), mask=masks is not None)
-        every = len(columns) == self.slots
+        every = list(columns) == list(range(self.slots))
         slots, keep, kept = self.arrays.put(
             (None if every else np.array(columns, np.int32), _keep(self.slots, cancelled), np.ones(self.slots, bool))
         )

@@ -49,15 +49,20 @@ class PageTable:
         for _, source, start, _ in rows:
             if start % self.page_size:
                 raise ValueError(f"a prefix of {start} positions is not a whole number of {self.page_size}-pages")
+            if isinstance(source, int) and not 0 <= source < len(self.held):
+                raise ValueError(f"no slot {source} (a cached prefix's source is its pages: `assign_rows`)")
             pages = list(self.held[source] if isinstance(source, int) else source)[: start // self.page_size]
             if len(pages) * self.page_size < start:
                 raise ValueError(f"the prefix's source has {len(pages)} pages, not {start} positions")
             for page in pages:  # held before any slot lets its own go: the same pages may be both
                 self._hold(page)
             shared.append(pages)
-        for (slot, _, _, length), pages in zip(rows, shared, strict=True):
+        # Every slot lets its old pages go before any takes new ones: a row's prefix taken from the free queue
+        # (`cached`) counts against the pool while the slot it refills still holds its old pages.
+        for (slot, *_), pages in zip(rows, shared, strict=True):
             self.release(slot)
             self.held[slot] = pages
+        for slot, _, _, length in rows:
             self.reserve(slot, length)
 
     def assign_rows(self, rows: Sequence[PrefillRow]) -> None:

@@ -50,7 +50,8 @@ class ResidentPrefixes:
 
     def hold(self, slot: int, tokens: Sequence[int], logprobs: PromptLogprobs | None = None) -> None:
         """The slot's cache now holds exactly these tokens' keys/values; `logprobs`: those of its tokens from the
-        second on, as far as they are known."""
+        second on, as far as they are known. Over a paged cache the slot's full pages are cached in the pool
+        under these tokens (`PageTable.register`)."""
         self.tokens[slot] = np.asarray(tokens, np.int32)
         self.logprobs[slot] = logprobs
         if self.pool is not None:
@@ -90,7 +91,8 @@ class ResidentPrefixes:
         after; n a multiple of `multiple`; (None, 0) if no slot holds at least MIN_REUSE tokens of it. A slot of
         `free` (which the prompt may then take, computing in place instead of copying the prefix to another slot) is
         chosen where it holds at least all but FREE_SLACK tokens of the longest. Where the pool caches more of it
-        than any slot holds (and its log-probabilities are not wanted, which pages do not keep): (CACHED, n)."""
+        than the slot so chosen holds (and its log-probabilities are not wanted, which pages do not keep):
+        (CACHED, n)."""
         slot, n = self._best_slot(prompt, exclude, logprobs, free)
         if self.pool is not None and not logprobs:
             cached = len(self.pool.cached(prompt, len(prompt) - 1)) * self.pool.page_size

@@ -11,8 +11,9 @@ prompt. A
 finished sequence frees its slot for the next request at once; nobody waits for the longest one.
 
 A prompt that starts with tokens some slot's cache already holds (a shared system prompt, the earlier turns of a
-conversation) reuses their keys/values and computes only the rest (`prefix.py`); the reused count is reported as
-`cached_tokens`. Every process of a multi-host run makes the same choices from the same requests.
+conversation), or over a paged cache that the pool still keeps from a slot since refilled, reuses their keys/values
+and computes only the rest (`prefix.py`, `pages.py`); the reused count is reported as `cached_tokens`. Every
+process of a multi-host run makes the same choices from the same requests.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class Scheduler:
         self._kept = runner.max_context  # the positions the slots' caches keep (`_make_room`)
         self.ending: dict[int, tuple[FinishReason, str | None]] = {}  # slot -> why `finish` ends it
         self._stopping: set[int] = set()  # slots the device still runs for requests that ended
+        # Slots whose cache holds positions computed since the device last started a row there (a shared prefix
+        # computed alone, a prompt's chunks): a decode call must not run them, as its stale row there would write
+        # its keys and values over what they hold (`_decode_columns`).
+        self._unsynced: set[int] = set()
 
     @property
     def step_tokens(self) -> int:
@@ -251,11 +256,15 @@ class Scheduler:
         prompt_logprobs = self.prefixes.prompt_logprobs(rows, out)
         for r, logprobs in zip(rows, prompt_logprobs, strict=True):
             self.prefixes.hold(r.slot, r.request.prompt[: r.start + len(r.tokens)], logprobs)
+            if sample and r.final:  # the device starts a row there
+                self._unsynced.discard(r.slot)
+                self._stopping.discard(r.slot)  # refilled: the slot's new request must not be stopped
+            else:
+                self._unsynced.add(r.slot)
         if not sample:
             return []
         updates = []
         for i, r in enumerate(rows):
-            self._stopping.discard(r.slot)  # refilled: the slot's new request must not be stopped
             earlier = self.partial.pop(r.slot, None)
             began, cached = (earlier.prefill_start, earlier.cached) if earlier else (start, r.start)
             if not r.final:
@@ -311,13 +320,16 @@ class Scheduler:
     def _decode_columns(self, every: bool = True) -> list[int]:
         """The slots a decode call runs: every slot, or, when few are active, just those (padded with the
         out-of-range index `slots` to the next of ROW_BUCKETS): a step's cost grows with its rows. Without `every`,
-        the active slots padded to as many as there are slots."""
+        or while some slot is unsynced (a free slot's row would write over what was computed there since), the
+        active slots padded to as many as there are slots."""
         active = sorted(self.active)
         for size in buckets.ROW_BUCKETS:
             size = buckets.round_up(size, self.runner.row_multiple)
             if len(active) <= size < self.slots:
                 return active + [self.slots] * (size - len(active))
-        return list(range(self.slots)) if every else active + [self.slots] * (self.slots - len(active))
+        if every and not self._unsynced:
+            return list(range(self.slots))
+        return active + [self.slots] * (self.slots - len(active))
 
     def _make_room(self, needed: int) -> None:
         """The cache holds `needed` positions for the rows about to be computed and every active sequence's next

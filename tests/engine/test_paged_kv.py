@@ -119,6 +119,23 @@ def test_the_pool_keeps_full_pages_after_their_slot_lets_them_go_and_gives_out_t
     assert table.cached(a, 25) == kept[:2]
 
 
+def test_the_rows_of_one_call_let_their_slots_pages_go_before_any_takes_new_ones():
+    """Slot 1 takes a prefix the pool caches (its pages free) while slot 0 takes a whole context's pages: the pool
+    holds both only once each slot's old pages are free."""
+    table = PageTable(slots=2, max_context=32, page_size=8)  # 8 pages
+    x = list(range(100, 125))
+    table.assign([(0, 0, 0, 25)])
+    table.register(0, x)  # 3 of its 4 pages cached
+    table.assign([(1, 1, 0, 32)])  # the other 4
+    table.assign([(0, 0, 0, 8)])  # slot 0 refilled: x's pages free, still cached
+    cached = table.cached(x, 24)
+    assert len(cached) == 3 and table.free == 3
+    table.assign([(0, 0, 0, 32), (1, cached, 24, 32)])
+    assert table.free == 0 and table.held[1][:3] == cached and not set(table.held[0]) & set(table.held[1])
+    with pytest.raises(ValueError, match="no slot -1"):
+        table.assign([(0, -1, 8, 16)])
+
+
 @pytest.fixture(scope="module")
 def expected(tiny):
     config, params = tiny

@@ -110,6 +110,31 @@ def test_a_later_turn_reuses_the_earlier_one_across_meshes(tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("cache", ["cpu-kernels", "xla-paged"])
+def test_a_prefix_computed_alone_is_not_written_over_by_the_decode_steps_before_its_prompts_start(tiny, cache):
+    """Two running requests decode while two prompts with a 100-token prefix arrive, with room in the step for the
+    prefix alone: it is computed into a free slot, its prompts wait a step, and that step's decode must not run the
+    slot (its device row, never started, would write position 0's keys and values over the prefix's)."""
+    kw = dict(cpu_kernels=False, page_size=8) if cache == "xla-paged" else {}
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(3, 131, 100).tolist()
+    prompts = [prefix + rng.integers(3, 131, 20).tolist() for _ in range(2)]
+    request = lambda i, p, n: Request(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    alone = [token_logprobs(_engine(tiny, max_slots=4, **kw), request(i, p, 5)) for i, p in enumerate(prompts)]
+    engine = _engine(tiny, max_slots=4, step_tokens=106, **kw)
+    for i in ("a", "b"):
+        engine.add(request(i, rng.integers(3, 131, 10).tolist(), 100))
+    engine.step()
+    engine.step()
+    got = {0: [], 1: []}
+    for u in engine.generate([request(i, p, 5) for i, p in enumerate(prompts)]):
+        got.get(u.id, []).extend(u.logprobs)
+    assert engine.stats.cached_tokens >= 2 * 96  # the prefix was reused, not computed by each prompt
+    for i in (0, 1):
+        np.testing.assert_allclose(got[i], alone[i], rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.slow
 def test_reuse_keeps_penalties_and_seeds_exact(tiny):
     """A prefix taken from the cache still counts as seen for the repetition penalty, and a seeded sample
     does not depend on whether the prefix was reused."""
