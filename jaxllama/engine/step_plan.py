@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Iterator
 
 from jaxllama.engine import buckets
-from jaxllama.engine.interface import ModelRunnerInterface, PrefillRow
+from jaxllama.engine.interface import CACHED, ModelRunnerInterface, PrefillRow
 from jaxllama.engine.prefix import ResidentPrefixes, shared_prefixes
 from jaxllama.engine.request import Request, SamplingParams
 from jaxllama.engine.slot import Partial
@@ -155,11 +155,14 @@ class StepPlanner:
         (`prefixes.best`; `logprobs`: with their log-probabilities) and the free slot it is computed in: that one
         where it is free, else the free one holding the least, sparing those the call's prompts reuse. A call's
         prefixes are copied one after another (`kvcache.copy_rows`), so a slot it copies into is not one it copies
-        out of: where no free slot is left for the copy, the prompt is computed from its first token."""
+        out of: where no free slot is left for the copy, the prompt is computed from its first token. A prefix the
+        pool caches (`CACHED`) is copied nowhere: any free slot takes its pages."""
         spare = lambda i: (i in call.reused, len(self.prefixes.tokens[i]))
         source, start = self.prefixes.best(prompt, frozenset(call.into), logprobs, free)
         if source in free:
             return source, start, source
+        if source == CACHED:  # a paged pool's pages, taken by reference: nothing is copied
+            return source, start, min(free, key=spare)
         targets = [i for i in free if i not in call.out_of]
         if source is None or not targets:
             slot = min(free, key=spare)
