@@ -106,7 +106,9 @@ class ClockedRunner:
 
     def prefill_and_decode(self, rows, columns, params, cancelled=(), masks=None, decode_masks=None):
         self._timed(lambda: self.runner.prefill_and_decode(rows, columns, params, cancelled), columns)
-        return self._started(rows), self._decoded(columns, cancelled, 1)
+        for slot in cancelled:  # stopped before the rows start, as the runner does: a row may refill its slot
+            self._left.pop(slot, None)
+        return self._started(rows), self._decoded(columns, (), 1)
 
     def _started(self, rows: Sequence[PrefillRow]) -> Sampled:
         """The first token of each final row: its slot then runs its request's output length."""

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from jaxllama.engine import buckets
 from jaxllama.engine.interface import CACHED, ModelRunnerInterface, PrefillRow
-from jaxllama.engine.prefix import ResidentPrefixes, shared_prefixes
+from jaxllama.engine.prefix import MIN_REUSE, ResidentPrefixes, shared_prefixes
 from jaxllama.engine.request import Request, SamplingParams
 from jaxllama.engine.slot import Partial
 
@@ -115,11 +115,15 @@ class StepPlanner:
         for level in shared_prefixes([r.prompt for r in requests]):
             # Where a member wants its prompt's log-probabilities, the prefix's are computed with it and kept: the
             # members then reuse all but its last token, whose log-probability is not the one they need.
-            wanted = []
+            # A prefix is reused in whole `multiple`s (a paged cache's pages): its tokens past the last are computed
+            # by each member, and counting them held or not would compute the prefix again at every step.
+            wanted, multiple = [], self.prefixes.multiple
             for members, n in level:
                 prompt = requests[members[0]].prompt
                 logprobs = any(wants_prompt_logprobs(requests[i]) for i in members)
-                if self.prefixes.best(prompt, logprobs=logprobs)[1] < n - logprobs:  # not held
+                n -= n % multiple
+                held = (n - logprobs) // multiple * multiple  # the most `best` gives where it is held
+                if n >= MIN_REUSE and self.prefixes.best(prompt, logprobs=logprobs)[1] < held:
                     wanted.append((prompt[:n], logprobs))
             rows: list[PrefillRow] = []
             idle, call = list(free), self._prefill_call(wanted)
