@@ -1,9 +1,9 @@
-"""XLA's operations on a TPU or GPU, with a decode step's attention over a paged KV cache run by jax's own Pallas
-kernels (`jax.experimental.pallas.ops.tpu.paged_attention`, JetStream's, and `...ops.gpu.paged_attention`; over an
-int8 cache on a TPU, `int8_paged_attention.py`): each row reads only its pages up to its own length, a block of pages
-at a time, where XLA's gather reads every page of the table's width for every row. The kernels read the pool as
-`core/paged_kv.py` lays it out ([kv_heads, pages, page_size, head_dim]), and an int8 cache's scales as they are
-stored ([kv_heads, pages, page_size]).
+"""XLA's operations on a TPU or GPU, with a decode step's attention over a paged KV cache run by Pallas kernels (on a
+TPU this project's `paged_attention.py`, JetStream's design reading only the pages a row reaches, bfloat16 or int8
+with its scales; on a GPU jax's `...ops.gpu.paged_attention`): each row reads only its pages up to its own length, a
+block of pages at a time, where XLA's gather reads every page of the table's width for every row. The kernels read
+the pool as `core/paged_kv.py` lays it out ([kv_heads, pages, page_size, head_dim]), and an int8 cache's scales as
+they are stored ([kv_heads, pages, page_size]).
 
 The kernels run per device: inside a `shard_map` over the mesh's `model` axis, each device attends with its own
 query heads over its own KV heads (the pool's heads are split over `model`, as the weights' are). A prompt's
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxllama.backends import int8_paged_attention
+from jaxllama.backends import paged_attention
 from jaxllama.core import int8_kv
 from jaxllama.core.int8_kv import Int8KV
 from jaxllama.core.ops import Ops
@@ -96,10 +96,10 @@ class PallasOps(Ops):
         if q.shape[1] != 1 or kv_heads % model or head_dim % LANES:
             return super().paged_attention(q, pool_k, pool_v, positions, table)
         b, _, kv, g, hd = q.shape
-        queries = (q[:, 0] * (1.0 / math.sqrt(hd))).reshape(b, kv * g, hd)  # head kv_index * g + group
+        queries = q[:, 0].reshape(b, kv * g, hd)  # head kv_index * g + group
         lengths = positions[:, 0].astype(jnp.int32) + 1
         pages = jnp.minimum(table, pool_k.shape[1] - 1)  # a page not given out: any page, past the row's length
-        attend = self._kernel
+        attend = functools.partial(self._kernel, scale=1.0 / math.sqrt(hd))
         if model > 1:
             heads, replicated, pools = PartitionSpec(None, "model", None), PartitionSpec(), PartitionSpec("model")
             attend = jax.shard_map(
@@ -112,9 +112,14 @@ class PallasOps(Ops):
         out = attend(queries, pool_k, pool_v, lengths, pages)
         return out.reshape(b, 1, kv, g, hd).astype(q.dtype)
 
-    def _kernel(self, q, pool_k, pool_v, lengths, pages) -> jax.Array:
-        """q [b, heads, hd] (scaled), one device's pools, lengths [b], pages [b, n] -> [b, heads, hd]."""
+    def _kernel(self, q, pool_k, pool_v, lengths, pages, scale: float) -> jax.Array:
+        """q [b, heads, hd] (its scores scaled by `scale`), one device's pools, lengths [b], pages [b, n] -> [b,
+        heads, hd]."""
         raise NotImplementedError
+
+    def kernel_read(self, length: int, page_size: int) -> int:
+        """Whole pages up to the row's length (`paged_attention.py` copies no page the row does not reach)."""
+        return -(-length // page_size) * page_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,25 +203,26 @@ class TpuOps(PallasOps):
             )
         return product(padded, w, sizes)[:m]
 
-    def _kernel(self, q, pool_k, pool_v, lengths, pages) -> jax.Array:
-        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
-
+    def _kernel(self, q, pool_k, pool_v, lengths, pages, scale: float) -> jax.Array:
         block = math.gcd(pages.shape[1], MAX_PAGES_PER_BLOCK)
-        if isinstance(pool_k, Int8KV):
-            return int8_paged_attention.paged_attention(q, pool_k, pool_v, lengths, pages, pages_per_block=block)
-        return paged_attention(q, pool_k, pool_v, lengths, pages, pages_per_compute_block=block)
+        return paged_attention.paged_attention(q, pool_k, pool_v, lengths, pages, pages_per_block=block, scale=scale)
 
 
 @dataclasses.dataclass(frozen=True)
 class GpuOps(PallasOps):
-    def _kernel(self, q, pool_k, pool_v, lengths, pages) -> jax.Array:
+    def kernel_read(self, length: int, page_size: int) -> int:
+        """Whole blocks of GPU_MAX_PAGES_PER_BLOCK pages: jax's GPU kernel copies every page of a row's last block."""
+        block = page_size * GPU_MAX_PAGES_PER_BLOCK
+        return -(-length // block) * block
+
+    def _kernel(self, q, pool_k, pool_v, lengths, pages, scale: float) -> jax.Array:
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
         (k, k_scales), (v, v_scales) = _split(pool_k), _split(pool_v)
         splits = math.gcd(pages.shape[1], GPU_SPLITS)
         block = math.gcd(pages.shape[1] // splits, GPU_MAX_PAGES_PER_BLOCK)
         return paged_attention(
-            q,
+            q * scale,
             k,
             v,
             pages,

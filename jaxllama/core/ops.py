@@ -61,9 +61,11 @@ class Ops:
         """params (the whole tree, or part of it) as this backend's products read them. XLA reads the checkpoint's
         weights as they are, or with `int8_weights` each product's weight quantized (blocks dequantized first; a
         weight quantized already is kept), and with `rope_halves` the heads' dims of wq and wk (and of their biases
-        and per-head norms, in a family that has them) reordered."""
+        and per-head norms, in a family that has them) reordered. Every norm's scale is made float32, the dtype the
+        norm computes in: a 16-bit scale would be widened again at every call (on a TPU, an op of its own each)."""
         if self.rope_halves:
             params = _rotated_halves(params, rope_halves_order(config.head_dim))
+        params = _map_named(params, {"scale": lambda scale: scale.astype(F32)})
         if not self.int8_weights:
             return params
         return _map_products(params, lambda w, in_dims: w if isinstance(w, Int8) else _to_int8(w, in_dims=in_dims))
@@ -71,6 +73,8 @@ class Ops:
     def prepare_abstract(self, params, config) -> dict:
         """What `prepare` makes of abstract params (ShapeDtypeStructs with shardings): its shapes, dtypes and
         shardings, for programs compiled without weights."""
+        widened = lambda s: jax.ShapeDtypeStruct(s.shape, F32, sharding=getattr(s, "sharding", None))
+        params = _map_named(params, {"scale": widened})
         if not self.int8_weights:
             return params
         return _map_products(
@@ -191,6 +195,12 @@ class Ops:
         XLA's reads a paged cache by a gather of every page of the table's width: contiguous by default, paged only
         where asked (`Engine(page_size=...)`)."""
         return 0
+
+    def kernel_read(self, length: int, page_size: int) -> int:
+        """The positions a decode step's attention kernel reads of a row holding `length` positions of a paged cache
+        (a job's clock charges a kernel its bytes, `engine/job_clock.py`). XLA's attention has no kernel: the
+        compiler counts what its gather reads."""
+        return length
 
     def greedy(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         """logits [b, v] float32 -> (the most likely token [b] int32, the first on ties; its log-probability [b])."""

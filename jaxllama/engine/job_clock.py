@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllama.backends.pallas import MAX_PAGES_PER_BLOCK
 from jaxllama.engine import aot
 from jaxllama.engine.interface import LENGTH, RUNNING, PrefillRow, Sampled
 from jaxllama.engine.model_runner import ModelRunner
@@ -82,13 +81,13 @@ class ClockedRunner:
         self.now += sum(self.cost(c, read if c.kind in POOL_READERS else 1.0) for c in called)
 
     def _pool_read(self, columns: Sequence[int]) -> float:
-        """The share of a paged pool a decode step's kernel reads for the slots `columns`: each slot's pages, in
-        whole blocks of the kernel's (`pallas.MAX_PAGES_PER_BLOCK`); 1.0 over a contiguous cache."""
+        """The share of a paged pool a decode step's kernel reads for the slots `columns`: what the backend's kernel
+        reads of each slot's positions (`Ops.kernel_read`); 1.0 over a contiguous cache."""
         pages = self.runner.pages
         if pages is None:
             return 1.0
-        block = pages.page_size * MAX_PAGES_PER_BLOCK
-        read = sum(-(-pages.positions(c) // block) * block for c in columns if c < self.slots)
+        kernel_read = self.runner.ops.kernel_read
+        read = sum(kernel_read(pages.positions(c), pages.page_size) for c in columns if c < self.slots)
         return min(1.0, read / (pages.pages * pages.page_size))
 
     def make_room(self, needed: int, lengths: dict[int, int]) -> int:

@@ -17,7 +17,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxllama.backends import int8_paged_attention
+from jaxllama.backends import paged_attention
 from jaxllama.backends.pallas import FLASH_MIN_TOKENS, INT8_PAGE_SIZE, PAGE_SIZE, GpuOps, TpuOps
 from jaxllama.core import int8_kv
 from jaxllama.core.config import ModelConfig
@@ -53,20 +53,47 @@ def test_the_pallas_kernel_gives_xlas_attention_over_the_same_pages():
 
 @pytest.mark.parametrize("pages_per_block", [1, 2, 4])
 def test_the_int8_kernel_gives_xlas_attention_over_the_same_int8_pages(pages_per_block):
-    """`int8_paged_attention.py` in the TPU interpreter: each row's int8 keys and values read a block of pages at a
+    """`paged_attention.py` in the TPU interpreter: each row's int8 keys and values read a block of pages at a
     time with their own scales, rows of 2 to 4 pages and different lengths (the next row's first block fetched during
     the last of this one): XLA's attention over the same int8 cache, to float32's rounding."""
     q, pool_k, pool_v, positions, table = _case(kv=2, g=4)
     pool_k, pool_v = (int8_kv.Int8KV(*int8_kv.quantize(p)) for p in (pool_k, pool_v))
     want = Ops(float32_products=True).paged_attention(q, pool_k, pool_v, positions, table)
     b, _, kv, g, hd = q.shape
-    queries = (q[:, 0] / math.sqrt(hd)).reshape(b, kv * g, hd)
+    queries = q[:, 0].reshape(b, kv * g, hd)
     pages = jnp.minimum(table, pool_k.shape[1] - 1)
     with pltpu.force_tpu_interpret_mode():
-        got = int8_paged_attention.paged_attention(
-            queries, pool_k, pool_v, positions[:, 0] + 1, pages, pages_per_block=pages_per_block
+        got = paged_attention.paged_attention(
+            queries,
+            pool_k,
+            pool_v,
+            positions[:, 0] + 1,
+            pages,
+            pages_per_block=pages_per_block,
+            scale=1 / math.sqrt(hd),
         )
     np.testing.assert_allclose(got.reshape(want.shape), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_the_tpu_kernel_reads_no_page_past_a_rows_length(dtype):
+    """Pages a row's table names past its length (the unused page a table's padding points at) are never copied: NaN
+    there leaves every row's attention XLA's over the clean pool, where a kernel copying a row's whole last block
+    (jax's) gives NaN. With blocks of 4 pages of 16 positions, rows of 41 and 21 positions end inside their first
+    block."""
+    q, pool_k, pool_v, positions, table = _case(kv=2, g=4)
+    unused = pool_k.shape[1] - 1  # not in any row's pages; a padding entry of the table points there
+    if dtype == "int8":
+        pool_k, pool_v = (int8_kv.Int8KV(*int8_kv.quantize(p)) for p in (pool_k, pool_v))
+        poison = lambda p: int8_kv.Int8KV(p.values, p.scales.at[:, unused].set(jnp.nan))
+    else:
+        pool_k, pool_v = (p.astype(jnp.bfloat16) for p in (pool_k, pool_v))
+        poison = lambda p: p.at[:, unused].set(jnp.nan)
+    want = Ops(float32_products=True).paged_attention(q, pool_k, pool_v, positions, table)
+    with pltpu.force_tpu_interpret_mode():
+        got = TpuOps().paged_attention(q, poison(pool_k), poison(pool_v), positions, table)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+    assert TpuOps().kernel_read(41, 16) == 48 and GpuOps().kernel_read(41, 16) == 64
 
 
 def test_an_int8_cache_on_a_tpu_is_paged_and_read_by_the_int8_kernel():
