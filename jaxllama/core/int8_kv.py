@@ -81,6 +81,16 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return values, scales.astype(SCALE)
 
 
+def as_read(new: jax.Array, cache) -> jax.Array | None:
+    """Keys or values [..., head_dim] as attention reads them back once written to `cache` (an array or `Int8KV`),
+    in new's dtype: an int8 cache's rounded to their vector's 255 steps, a float cache's as they are where it stores
+    new's dtype; None where it stores another (a prompt's own attention then reads the cache)."""
+    if isinstance(cache, Int8KV):
+        values, scales = quantize(new)
+        return (values.astype(jnp.float32) * scales[..., None]).astype(new.dtype)
+    return new if cache.dtype == new.dtype else None
+
+
 def write(cache, index: tuple, new: jax.Array):
     """`cache` (an array or `Int8KV`) with `new` [..., head_dim] stored at `index` (advanced indices whose result
     has new's shape; out-of-range rows dropped)."""

@@ -62,8 +62,7 @@ class Placement:
     rows than the batch; an index past them writes nothing); by default row i of the batch is row i of the cache.
     pages [b, n] (optional): the cache is a pool of pages (`core/paged_kv.py`) and row i's sequence sits in the
     pages pages[i] names. fresh (static): every row is a prompt from position 0 (positions[i] = 0..t-1), which a
-    backend's kernel may attend over its own keys and values (`Ops.prompt_attention`) where the cache stores them
-    as they are."""
+    backend's kernel may attend over its own keys and values (`Ops.prompt_attention`), as the cache gives them back."""
 
     positions: jax.Array
     rope: tuple[jax.Array, jax.Array]
@@ -125,8 +124,10 @@ def _attend(c: ModelConfig, q, k, v, at: Placement, cache_k, cache_v, ops: Ops):
     positions = at.positions
     q, k = apply_rope(q, at.rope, ops.rope_halves), apply_rope(k, at.rope, ops.rope_halves)
     q = q.reshape(*q.shape[:2], c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim)  # [b, t, kv, g, hd]
-    as_stored = not isinstance(cache_k, int8_kv.Int8KV) and cache_k.dtype == k.dtype
-    out = ops.prompt_attention(q, k, v) if at.fresh and as_stored else None
+    # A fresh prompt's kernel attends over its keys and values as the cache will give them back (an int8 cache's
+    # rounded), so that its tokens see what later tokens, and its chunks computed apart, see.
+    stored = (int8_kv.as_read(k, cache_k), int8_kv.as_read(v, cache_v)) if at.fresh else (None, None)
+    out = ops.prompt_attention(q, *stored) if stored[0] is not None else None
 
     # Write this call's keys/values at their positions (rows past the cache's end are dropped).
     if at.pages is not None:

@@ -147,7 +147,8 @@ class Ops:
     def prompt_attention(self, q, k, v) -> jax.Array | None:
         """A fresh prompt's attention by a kernel, or None where the backend has none (the model then attends over
         the cache it wrote): q [b, t, kv, g, hd], k and v [b, t, kv, hd] the prompt's own keys and values as the
-        cache stores them, every row's tokens at positions 0..t-1, each query seeing the keys up to its own."""
+        cache gives them back (`int8_kv.as_read`), every row's tokens at positions 0..t-1, each query seeing the keys
+        up to its own."""
         return None
 
     def _blocked(self, q, keys, values, positions) -> jax.Array:

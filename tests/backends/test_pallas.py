@@ -140,10 +140,11 @@ def test_the_flash_kernel_split_over_the_model_axis_runs_each_devices_heads():
     np.testing.assert_allclose(got, _causal(q, k, v), atol=1e-5)
 
 
-def test_a_fresh_prompt_through_the_kernel_gives_the_models_logits():
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
+def test_a_fresh_prompt_through_the_kernel_gives_the_models_logits(cache_dtype):
     """The model's layer with `fresh` set attends through the kernel over the keys and values it writes into the
-    cache, and gives what the same layer gives attending over that cache (its wq and wk reordered for the TPU's
-    rotary halves)."""
+    cache, as the cache gives them back (an int8 cache's rounded to their int8 steps), and gives what the same layer
+    gives attending over that cache (its wq and wk reordered for the TPU's rotary halves)."""
     from jaxllama.core import model
     from jaxllama.core.params import init_params
 
@@ -151,16 +152,19 @@ def test_a_fresh_prompt_through_the_kernel_gives_the_models_logits():
     params = init_params(config, jax.random.key(0), jnp.float32)
     tokens = jax.random.randint(jax.random.key(1), (1, FLASH_MIN_TOKENS), 0, 64)
     positions = jnp.arange(FLASH_MIN_TOKENS)[None]
-    cache = [tuple(jnp.zeros((1, 2, FLASH_MIN_TOKENS, 128), jnp.float32) for _ in range(2))]
+    cache = [tuple(int8_kv.zeros((1, 2, FLASH_MIN_TOKENS, 128), cache_dtype) for _ in range(2))]
     x = model.embed(params, tokens)
     layers = model.layer_params(params, config)
     at = model.Placement.of(positions, config)
     want, _ = model.layers(layers, config, x, at, cache, ops=Ops(float32_products=True))
     with pltpu.force_tpu_interpret_mode():
         fresh = replace(at, fresh=True)
-        got, written = model.layers(TpuOps().prepare(layers, config), config, x, fresh, cache, ops=TpuOps())
+        prepared = TpuOps().prepare(layers, config)
+        got, written = model.layers(prepared, config, x, fresh, cache, ops=TpuOps())
     np.testing.assert_allclose(got, want, atol=1e-4)
-    assert float(jnp.abs(written[0][0]).sum()) > 0  # the keys are written all the same
+    assert float(jnp.abs(int8_kv.split(written[0][0])[0]).sum()) > 0  # the keys are written all the same
+    run = lambda x: model.layers(prepared, config, x, fresh, cache, ops=TpuOps())
+    assert "pallas_call" in str(jax.make_jaxpr(run)(x))
 
 
 @pytest.mark.slow
