@@ -211,7 +211,8 @@ class TpuOps(PallasOps):
 @dataclasses.dataclass(frozen=True)
 class GpuOps(PallasOps):
     def kernel_read(self, length: int, page_size: int) -> int:
-        """Whole blocks of GPU_MAX_PAGES_PER_BLOCK pages: jax's GPU kernel copies every page of a row's last block."""
+        """Whole blocks of GPU_MAX_PAGES_PER_BLOCK pages: jax's GPU kernel copies every page of a row's last block
+        (its blocks are that many pages, or fewer where a short table's parts have fewer: at most this)."""
         block = page_size * GPU_MAX_PAGES_PER_BLOCK
         return -(-length // block) * block
 

@@ -65,7 +65,7 @@ class Ops:
         norm computes in: a 16-bit scale would be widened again at every call (on a TPU, an op of its own each)."""
         if self.rope_halves:
             params = _rotated_halves(params, rope_halves_order(config.head_dim))
-        params = _map_named(params, {"scale": lambda scale: scale.astype(F32)})
+        params = _map_named(params, {"scale": lambda scale: scale if scale.dtype == F32 else scale.astype(F32)})
         if not self.int8_weights:
             return params
         return _map_products(params, lambda w, in_dims: w if isinstance(w, Int8) else _to_int8(w, in_dims=in_dims))
@@ -73,7 +73,7 @@ class Ops:
     def prepare_abstract(self, params, config) -> dict:
         """What `prepare` makes of abstract params (ShapeDtypeStructs with shardings): its shapes, dtypes and
         shardings, for programs compiled without weights."""
-        widened = lambda s: jax.ShapeDtypeStruct(s.shape, F32, sharding=getattr(s, "sharding", None))
+        widened = lambda s: s if s.dtype == F32 else jax.ShapeDtypeStruct(s.shape, F32, sharding=s.sharding)
         params = _map_named(params, {"scale": widened})
         if not self.int8_weights:
             return params
@@ -239,9 +239,11 @@ QUERY_BLOCK = 1024  # a long prompt's queries attend this many at a time (`Ops.a
 
 
 def _map_named(params, fns: dict):
-    """params with fns[key](value) at every key `fns` names, at any depth (in a run of layers: in each)."""
+    """params with fns[key](value) at every key `fns` names, at any depth (in a run of layers: in each); the same
+    tree (not a copy) where every fn gave back what it was given."""
     if isinstance(params, (list, tuple)):  # a run of layers
-        return [_map_named(p, fns) for p in params]
+        out = [_map_named(p, fns) for p in params]
+        return params if all(a is b for a, b in zip(out, params, strict=True)) else out
     out = {}
     for key, value in params.items():
         if key in fns:
@@ -250,7 +252,7 @@ def _map_named(params, fns: dict):
             out[key] = _map_named(value, fns)
         else:
             out[key] = value
-    return out
+    return params if all(out[key] is value for key, value in params.items()) else out
 
 
 def _map_products(params, fn, names=PRODUCT_IN_DIMS):

@@ -51,13 +51,17 @@ def test_the_pallas_kernel_gives_xlas_attention_over_the_same_pages():
     assert "pallas_call" in str(jax.make_jaxpr(TpuOps().paged_attention)(*args))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 @pytest.mark.parametrize("pages_per_block", [1, 2, 4])
-def test_the_int8_kernel_gives_xlas_attention_over_the_same_int8_pages(pages_per_block):
-    """`paged_attention.py` in the TPU interpreter: each row's int8 keys and values read a block of pages at a
-    time with their own scales, rows of 2 to 4 pages and different lengths (the next row's first block fetched during
-    the last of this one): XLA's attention over the same int8 cache, to float32's rounding."""
+def test_the_tpu_kernel_gives_xlas_attention_over_the_same_pages(pages_per_block, dtype):
+    """`paged_attention.py` in the TPU interpreter: each row's keys and values read a block of pages at a time (an
+    int8 page with its own scales), rows of 2 to 4 pages and different lengths (the next row's first block fetched
+    during the last of this one): XLA's attention over the same cache, to float32's rounding."""
     q, pool_k, pool_v, positions, table = _case(kv=2, g=4)
-    pool_k, pool_v = (int8_kv.Int8KV(*int8_kv.quantize(p)) for p in (pool_k, pool_v))
+    if dtype == "int8":
+        pool_k, pool_v = (int8_kv.Int8KV(*int8_kv.quantize(p)) for p in (pool_k, pool_v))
+    else:
+        pool_k, pool_v = (p.astype(jnp.bfloat16) for p in (pool_k, pool_v))
     want = Ops(float32_products=True).paged_attention(q, pool_k, pool_v, positions, table)
     b, _, kv, g, hd = q.shape
     queries = q[:, 0].reshape(b, kv * g, hd)

@@ -190,7 +190,7 @@ def test_donated_weights_are_replaced_by_the_prepared_ones(tiny, expected):
     leaves = jax.tree.leaves(mine)
     replaced = [x for x in leaves if x.is_deleted()]
     if engine.ops.prepare(params, config) is params:  # XLA's ops read the weights as they are: nothing replaced
-        assert not replaced and engine.params is mine
+        assert not replaced
     else:
         assert len(replaced) == 7 * config.n_layers + (0 if config.tie_embeddings else 1)  # every product's weight
         assert not mine["layers_0"]["attention_norm"]["scale"].is_deleted()  # kept as it is: not a product
