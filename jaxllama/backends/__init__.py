@@ -2,8 +2,9 @@
 
 XLA's operations (`core/ops.py`) are the reference and run everywhere: GPU, TPU, a mesh of CPU devices. On one CPU
 device with float32, bfloat16 or block weights, the hand-written kernels of `cpu/` run the products, attention and
-greedy sampling instead, where a C++ compiler builds them. On a TPU or GPU, jax's Pallas kernels run a decode
-step's attention over a paged cache (`pallas.py`). Nothing outside this package imports a kernel.
+greedy sampling instead, where a C++ compiler builds them. On a TPU or GPU, Pallas kernels run a decode step's attention
+over a paged cache (`pallas.py`: on a TPU this project's `paged_attention.py`, on a GPU jax's). Nothing outside this
+package imports a kernel.
 """
 
 from __future__ import annotations

@@ -2,14 +2,14 @@
 length and no further, a block of pages at a time; a bfloat16 cache's pages as they are, an int8 cache's with their
 scales (one float32 a position and head, `core/int8_kv.py`), a byte a number where bfloat16 takes two.
 
-jax's own TPU kernel (`pallas.ops.tpu.paged_attention`) copies every page of a row's last block, past the row's
-length too: with blocks of 8 pages of 64 positions, a row 1,536 positions long reads 2,048 of them, and rows of
-1,025 to 2,048 positions, all 2,048 (a third more than they hold, on average, where decode steps spend most of their
-time reading the cache). Here a page is copied only where the row holds a position in it. jax's kernel also takes
-int8 pages only with scales as wide as the head ([..., page_size, head_dim]): it would read four times the values'
-bytes in scales; here the scales are read as they are stored ([kv_heads, pages, page_size]) and applied where they
-cost least: a key's scale multiplies its score (q.k over int8 keys, widened), a value's multiplies its probability
-before the product with the int8 values.
+jax's own TPU kernel (`pallas.ops.tpu.paged_attention`) copies every page of a row's last block, past the row's length
+too: with blocks of 8 pages of 64 positions, its length rounded up to 512 (a row of 1,025 positions reads 1,536), and
+with 8 pages of 128, to 1,024 (rows of 1,025 to 2,048 positions all read 2,048: a third more than they hold, on
+average), where decode steps spend most of their time reading the cache. Here a page is copied only where the row holds
+a position in it. jax's kernel also takes int8 pages only with scales as wide as the head ([..., page_size, head_dim]):
+it would read four times the values' bytes in scales; here the scales are read as they are stored ([kv_heads, pages,
+page_size]) and applied where they cost least: a key's scale multiplies its score (q.k over int8 keys, widened), a
+value's multiplies its probability before the product with the int8 values.
 
 The loop is jax's kernel's: a grid over rows and KV heads run in order, each one's blocks of pages double-buffered,
 and the next row's (or head's) first block fetched while the last of this one is computed, so the DMA engine never

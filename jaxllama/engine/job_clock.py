@@ -35,11 +35,11 @@ from jaxllama.errors import RequestError
 
 # A Pallas kernel's share of the chip's HBM bandwidth: the compiler estimates no cycles for a custom call, so a
 # kernel is charged the bytes it reads at this share (vLLM TPU's ragged paged attention reports up to 86% of the
-# bandwidth in decode, and jax-llm-examples' 70B decode step 85% over the whole step; jax's paged-attention kernel,
-# which this engine runs, is taken a little below them). An assumption, stated as one.
+# bandwidth in decode, and jax-llm-examples' 70B decode step 85% over the whole step; this engine's kernels, on a TPU
+# `backends/paged_attention.py` and on a GPU jax's, are taken a little below them). An assumption, stated as one.
 KERNEL_BANDWIDTH_SHARE = 0.8
-# The programs whose Pallas kernel reads the paged pool (a decode step's attention): a call reads its rows' pages,
-# a block of kernel pages at a time up to each row's length, not the whole pool its operands name.
+# The programs whose Pallas kernel reads the paged pool (a decode step's attention): a call reads what the backend's
+# kernel reads of each row (`Ops.kernel_read`), not the whole pool its operands name.
 POOL_READERS = ("decode_layers", "mixed_layers")
 # What a collective costs besides its bytes over the chips' links, to synchronize: an assumption, bounded by the one
 # measured decode step at hand. jax-llm-examples' Llama-3.1-70B on a v5e-16 (TP 16, batch 8 x 2,048) decodes 159

@@ -1,7 +1,8 @@
-"""The accelerators' attention kernels (`backends/pallas.py`): jax's Pallas paged-attention kernels, run here in
-Pallas's interpreters (the TPU's, and the GPU kernel's `interpret=True`), give XLA's attention over the same pages
-(to the kernels' own rounding), alone and split over a mesh's `model` axis, the GPU's over an int8 cache too;
-compiled for a TPU slice, a decode step runs the TPU's where a head is 128 wide, and XLA's attention where not."""
+"""The accelerators' attention kernels (`backends/pallas.py`): the TPU's paged-attention kernel
+(`backends/paged_attention.py`) and jax's GPU kernel, run here in Pallas's interpreters (the TPU's, and the GPU
+kernel's `interpret=True`), give XLA's attention over the same pages (to the kernels' own rounding), bfloat16 and int8,
+alone and split over a mesh's `model` axis; the TPU's reads no page past a row's length; compiled for a TPU slice, a
+decode step runs the TPU's where a head is 128 wide, and XLA's attention where not."""
 
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def test_the_tpu_kernel_reads_no_page_past_a_rows_length(dtype):
     assert TpuOps().kernel_read(41, 16) == 48 and GpuOps().kernel_read(41, 16) == 64
 
 
-def test_an_int8_cache_on_a_tpu_is_paged_and_read_by_the_int8_kernel():
+def test_an_int8_cache_on_a_tpu_is_paged_and_read_by_the_tpu_kernel():
     q, pool_k, pool_v, positions, table = _case()
     pool_k, pool_v = (int8_kv.Int8KV(*int8_kv.quantize(p)) for p in (pool_k, pool_v))
     assert "pallas_call" in str(jax.make_jaxpr(TpuOps().paged_attention)(q, pool_k, pool_v, positions, table))
@@ -260,7 +261,7 @@ def test_tpu_programs_compile_without_collective_matmuls_and_a_v6e_with_more_vme
 @pytest.mark.slow
 def test_an_engine_over_an_int8_cache_on_a_tpus_operations_gives_xlas_int8_tokens():
     """The engine with a TPU's operations (in the interpreter) over an int8 cache: paged in 128-position pages, its
-    decode steps through the int8 kernel; greedy tokens those of XLA's attention over a contiguous int8 cache."""
+    decode steps through the TPU kernel; greedy tokens those of XLA's attention over a contiguous int8 cache."""
     from jaxllama.core.params import init_params
     from jaxllama.core.sharding import make_mesh
     from jaxllama.engine.engine import Engine
