@@ -110,17 +110,16 @@ def _attend(lengths_ref, pages_ref, q_ref, *refs, pages_per_block, pages_per_row
     `refs`: the pools (and an int8 pool's scales) in HBM, keys' then values', the output, then the scratch: the
     double buffers (keys', values'), their DMA semaphores, and which of the two buffers holds this block
     (`slot_ref`)."""
-    if scaled:
-        k_hbm, ks_hbm, v_hbm, vs_hbm, o_ref, k_buf, ks_buf, v_buf, vs_buf, k_sems, v_sems, slot_ref = refs
-    else:
-        (k_hbm, v_hbm, o_ref, k_buf, v_buf, k_sems, v_sems, slot_ref), ks_hbm, vs_hbm, ks_buf, vs_buf = (
-            refs,
-            *[None] * 4,
-        )
-    keys, values = _Cache(k_hbm, ks_hbm, k_buf, ks_buf, k_sems), _Cache(v_hbm, vs_hbm, v_buf, vs_buf, v_sems)
+    per = 2 if scaled else 1  # a side's arrays: its pool, and an int8 pool's scales
+    hbm, o_ref, buffers, (k_sems, v_sems, slot_ref) = refs[: 2 * per], refs[2 * per], refs[2 * per + 1 : -3], refs[-3:]
+
+    def side(arrays, bufs, sems) -> _Cache:
+        return _Cache(arrays[0], arrays[1] if scaled else None, bufs[0], bufs[1] if scaled else None, sems)
+
+    keys, values = side(hbm[:per], buffers[:per], k_sems), side(hbm[per:], buffers[per:], v_sems)
     row, head = pl.program_id(0), pl.program_id(1)
     last_row, last_head = pl.num_programs(0) - 1, pl.num_programs(1) - 1
-    page_size = k_hbm.shape[2]
+    page_size = keys.pool.shape[2]
     span = page_size * pages_per_block
     length = lengths_ref[row]
 
